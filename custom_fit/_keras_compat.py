@@ -1,0 +1,57 @@
+"""The only module that touches private Keras names.
+
+`TrainStepMixin` must behave exactly like `TensorFlowTrainer.train_step`
+(keras/src/backend/tensorflow/trainer.py), which uses three private
+attributes. Each use is isolated here and pinned by
+`tests/keras_compat_test.py`, so a Keras upgrade that renames one fails
+there first.
+"""
+
+import tensorflow as tf
+
+from custom_fit import pipeline
+
+
+def call_model(model, x, training):
+    """Calls `model` on `x`, passing `training` only if `call` accepts it.
+
+    Keras records whether `call` has a `training` argument in
+    `_call_has_training_arg`.
+    """
+    if getattr(model, "_call_has_training_arg", True):
+        return model(x, training=training)
+    return model(x)
+
+
+def compute_loss(model, x, y, y_pred, sample_weight, training):
+    """Calls `model.compute_loss`, also for overrides without `training`.
+
+    `Trainer._compute_loss` is Keras' own compatibility wrapper for
+    `compute_loss` overrides written before Keras 3.3 added `training`.
+    """
+    wrapper = getattr(model, "_compute_loss", None)
+    if wrapper is not None:
+        return wrapper(
+            x=x,
+            y=y,
+            y_pred=y_pred,
+            sample_weight=sample_weight,
+            training=training,
+        )
+    return model.compute_loss(
+        x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training
+    )
+
+
+def track_loss(model, loss, x):
+    """Updates the `loss` metric exactly as Keras' `train_step` does.
+
+    `Trainer._loss_tracker` is the `Mean` metric behind `logs["loss"]`. Keras
+    weights each batch by its size and undoes the `1 / num_replicas` scaling
+    that `compute_loss` applies under `tf.distribute`.
+    """
+    batch_size = tf.shape(next(i for i in tf.nest.flatten(x) if i is not None))[0]
+    model._loss_tracker.update_state(
+        loss * tf.cast(pipeline.replica_count(), loss.dtype),
+        sample_weight=batch_size,
+    )

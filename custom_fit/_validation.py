@@ -1,0 +1,135 @@
+"""Argument checks that raise Keras-worded `ValueError`s.
+
+Every message names the argument, shows the value received and ends with
+the fix. The checks run in `__init__` (and when a model is rebuilt from its
+config), never inside the training step.
+"""
+
+import math
+import numbers
+
+
+def positive_float_or_none(name, value):
+    """Returns `value` as a float, or `None`, after checking it.
+
+    Args:
+        name: String. The argument's name, used in the error message.
+        value: The value received.
+
+    Returns:
+        `None`, or `value` as a Python float.
+
+    Raises:
+        ValueError: If `value` is not `None` and is not a finite number
+            greater than zero (bools and strings are rejected too).
+    """
+    if value is None:
+        return None
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ValueError(
+            f"`{name}` must be a finite float greater than 0, or None to "
+            f"turn it off. Received: {name}={value!r}. Pass a positive "
+            f"number such as {name}=1.0, or {name}=None."
+        )
+    return float(value)
+
+
+def positive_float(name, value):
+    """Returns `value` as a float after checking it; `None` is refused.
+
+    Args:
+        name: String. The argument's name, used in the error message.
+        value: The value received.
+
+    Returns:
+        `value` as a Python float.
+
+    Raises:
+        ValueError: If `value` is not a finite number greater than zero.
+    """
+    if value is None:
+        raise ValueError(
+            f"`{name}` must be a finite float greater than 0. "
+            f"Received: {name}=None. Pass a positive number."
+        )
+    return positive_float_or_none(name, value)
+
+
+def positive_int_or_none(name, value):
+    """Returns `value` as an int, or `None`, after checking it.
+
+    Args:
+        name: String. The argument's name, used in the error message.
+        value: The value received.
+
+    Returns:
+        `None`, or `value` as a Python int.
+
+    Raises:
+        ValueError: If `value` is not `None` and is not an integer >= 1.
+    """
+    if value is None:
+        return None
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Integral)
+        or value < 1
+    ):
+        raise ValueError(
+            f"`{name}` must be an integer >= 1, or None for no limit. "
+            f"Received: {name}={value!r}. Pass for example {name}=10."
+        )
+    return int(value)
+
+
+def boolean(name, value):
+    """Returns `value` after checking that it is a bool.
+
+    Args:
+        name: String. The argument's name, used in the error message.
+        value: The value received.
+
+    Returns:
+        `value`, a Python bool.
+
+    Raises:
+        ValueError: If `value` is not `True` or `False`.
+    """
+    if not isinstance(value, bool):
+        raise ValueError(
+            f"`{name}` must be True or False. Received: {name}={value!r}. "
+            f"Pass {name}=True or {name}=False."
+        )
+    return value
+
+
+def layer_names_or_none(name, value):
+    """Returns `value` as a tuple of layer names, or `None`.
+
+    Args:
+        name: String. The argument's name, used in the error message.
+        value: `None`, or a list or tuple of strings.
+
+    Returns:
+        `None`, or a tuple of strings.
+
+    Raises:
+        ValueError: If `value` is a bare string, is not a list or tuple, or
+            holds something other than non-empty strings.
+    """
+    if value is None:
+        return None
+    if isinstance(value, (list, tuple)) and all(
+        isinstance(item, str) and item for item in value
+    ):
+        return tuple(value)
+    raise ValueError(
+        f"`{name}` must be a list of layer names, or None. "
+        f"Received: {name}={value!r}. Pass for example "
+        f"{name}=['dense_1'] (a list, even for one layer)."
+    )

@@ -1,0 +1,177 @@
+"""`GradientClippingMixin`: clipping of the true gradients."""
+
+from custom_fit import _options
+from custom_fit import _validation
+from custom_fit import clipping
+from custom_fit.train_step import TrainStepMixin
+
+_CLIPPING_OPTIONS = (
+    "adaptive_clipping",
+    "clipvalue",
+    "clipnorm",
+    "layer_clipnorm",
+    "global_clipnorm",
+)
+
+
+class GradientClippingMixin(TrainStepMixin):
+    """Clips the true gradients: after unscaling, after the replica sum.
+
+    Keras' optimizer-level `clipnorm`, `clipvalue` and `global_clipnorm`
+    act on each replica's share under `tf.distribute`, before the replicas
+    are summed. This mixin clips in `transform_gradients`, where gradients
+    are already unscaled and summed, so the result equals single-device
+    clipping of the global batch. It also adds per-layer and adaptive
+    clipping, and can leave layers out.
+
+    When several options are set they apply finest first: adaptive (per
+    unit), `clipvalue` (per entry), `clipnorm` (per variable),
+    `layer_clipnorm` (per layer), `global_clipnorm` (all gradients). Later
+    steps only scale down, so every bound set holds at the end.
+
+    Args:
+        clipvalue: Float or `None`. Every gradient entry is clipped to
+            `[-clipvalue, clipvalue]`, as Keras' optimizer argument.
+        clipnorm: Float or `None`. Each variable's gradient is rescaled to
+            an L2 norm of at most `clipnorm`, as Keras' optimizer argument.
+        global_clipnorm: Float or `None`. All clipped gradients together
+            are rescaled to a global L2 norm of at most `global_clipnorm`,
+            as Keras' optimizer argument.
+        layer_clipnorm: Float or `None`. For each entry of `model.layers`
+            that owns trainable variables, its gradients are jointly
+            rescaled to an L2 norm of at most `layer_clipnorm`. Variables
+            of the model itself (not of a layer) form one more group.
+        adaptive_clipping: Float or `None`. Unit-wise adaptive gradient
+            clipping (AGC) with this ratio of gradient norm to weight norm;
+            see `custom_fit.clipping.adaptive_clip`. Brock et al. use 0.01
+            to 0.16, and leave the final classifier out.
+        adaptive_clipping_eps: Float. Floor on the weight norm in adaptive
+            clipping. Defaults to `1e-3`.
+        clip_layers: List of layer names, or `None`. Only the gradients of
+            these entries of `model.layers` are clipped (and only they
+            count towards the global norm). Defaults to all layers.
+        no_clip_layers: List of layer names, or `None`. The gradients of
+            these layers are never clipped. Exclusive with `clip_layers`.
+
+    Each option defaults to `None` (off); all values must be finite and
+    greater than 0. A `ValueError` names the argument otherwise. If the
+    optimizer also clips, a warning is emitted once.
+
+    Example:
+
+    ```python
+    class Net(custom_fit.GradientClippingMixin, keras.Model):
+        pass
+
+    inputs = keras.Input((8,))
+    hidden = keras.layers.Dense(16, activation="relu", name="hidden")(inputs)
+    outputs = keras.layers.Dense(3, name="classifier")(hidden)
+    model = Net(inputs, outputs, adaptive_clipping=0.01,
+                no_clip_layers=["classifier"])
+    model.compile(optimizer="sgd", loss="mse")
+    ```
+
+    References:
+        - [Pascanu et al., 2013](https://arxiv.org/abs/1211.5063), "On the
+          difficulty of training recurrent neural networks".
+        - [Brock et al., 2021](https://arxiv.org/abs/2102.06171),
+          "High-Performance Large-Scale Image Recognition Without
+          Normalization".
+    """
+
+    clipvalue = _options.Option(None, _validation.positive_float_or_none)
+    clipnorm = _options.Option(None, _validation.positive_float_or_none)
+    global_clipnorm = _options.Option(
+        None, _validation.positive_float_or_none
+    )
+    layer_clipnorm = _options.Option(None, _validation.positive_float_or_none)
+    adaptive_clipping = _options.Option(
+        None, _validation.positive_float_or_none
+    )
+    adaptive_clipping_eps = _options.Option(1e-3, _validation.positive_float)
+    clip_layers = _options.Option(None, _validation.layer_names_or_none)
+    no_clip_layers = _options.Option(None, _validation.layer_names_or_none)
+
+    def _configure_options(self, options):
+        """Adds the check that `clip_layers` and `no_clip_layers` exclude
+        each other."""
+        super()._configure_options(options)
+        if self.clip_layers is not None and self.no_clip_layers is not None:
+            raise ValueError(
+                "Only one of `clip_layers` and `no_clip_layers` can be set. "
+                f"Received: clip_layers={list(self.clip_layers)}, "
+                f"no_clip_layers={list(self.no_clip_layers)}. Pass only one "
+                "of them."
+            )
+
+    def _clips_gradients(self):
+        """Returns whether any clipping option is set."""
+        return any(getattr(self, name) is not None for name in _CLIPPING_OPTIONS)
+
+    def transform_gradients(self, gradients, variables):
+        """Clips the selected gradients, then calls `super()`.
+
+        Runs after `compute_gradients`: the gradients are true (not
+        loss-scaled, summed across replicas).
+
+        Args:
+            gradients: List aligned with `variables`.
+            variables: The variables the gradients belong to.
+
+        Returns:
+            The list of gradients, clipped where selected.
+        """
+        if self._clips_gradients():
+            gradients = self._clip(gradients, variables)
+        return super().transform_gradients(gradients, variables)
+
+    def _clip(self, gradients, variables):
+        """Runs `clipping.clip` on the gradients of the selected layers."""
+        owners = self._owning_layer_names(variables)
+        selected = [self._is_clipped(owner) for owner in owners]
+        clipped = clipping.clip(
+            [g if keep else None for g, keep in zip(gradients, selected)],
+            variables,
+            owners,
+            adaptive_clipping=self.adaptive_clipping,
+            adaptive_clipping_eps=self.adaptive_clipping_eps,
+            clipvalue=self.clipvalue,
+            clipnorm=self.clipnorm,
+            group_clipnorm=self.layer_clipnorm,
+            global_clipnorm=self.global_clipnorm,
+        )
+        return [
+            new if keep else old
+            for old, new, keep in zip(gradients, clipped, selected)
+        ]
+
+    def _is_clipped(self, owner):
+        """Returns whether gradients of the layer named `owner` are clipped."""
+        if self.clip_layers is not None:
+            return owner in self.clip_layers
+        if self.no_clip_layers is not None:
+            return owner not in self.no_clip_layers
+        return True
+
+    def _owning_layer_names(self, variables):
+        """Returns, for each variable, the name of its entry in `self.layers`.
+
+        Variables that belong to no layer (created by the model itself) get
+        the model's name. Also checks that the names in `clip_layers` and
+        `no_clip_layers` exist, at trace time, when the layers are known.
+        """
+        owners = {}
+        for layer in self.layers:
+            for variable in layer.trainable_variables:
+                owners.setdefault(id(variable), layer.name)
+        known = {layer.name for layer in self.layers} | {self.name}
+        for argument in ("clip_layers", "no_clip_layers"):
+            names = getattr(self, argument) or ()
+            unknown = [name for name in names if name not in known]
+            if unknown:
+                raise ValueError(
+                    f"`{argument}` names layers that the model does not "
+                    f"have: {unknown}. Received: {argument}={list(names)}. "
+                    f"Use names from `model.layers`: {sorted(known)}."
+                )
+        return [owners.get(id(variable), self.name) for variable in variables]

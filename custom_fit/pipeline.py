@@ -1,0 +1,226 @@
+"""True gradients in, optimizer update out: the two ends of the pipeline.
+
+Between `tape.gradient` and `optimizer.apply`, Keras leaves gradients in a
+state that is wrong for anything that inspects or modifies them:
+
+- **Loss-scaled.** Under mixed precision (`LossScaleOptimizer`, which
+  `compile` adds for the `"mixed_float16"` policy) or with an optimizer's
+  `loss_scale_factor`, they are multiplied by the loss scale, and the
+  optimizer divides it out only inside `apply`.
+- **Per replica.** Under `tf.distribute`, each replica holds the gradient of
+  its share of the global batch (scaled by `1 / num_replicas`); the
+  optimizer sums them across replicas only inside `apply`, after its own
+  clipping.
+
+`compute_true_gradients` undoes both at once, so its result equals the
+single-device gradient of the global batch. `apply_true_gradients` hands
+such gradients to the optimizer without the optimizer unscaling or summing
+them a second time.
+
+```python
+with tf.GradientTape() as tape:
+    loss = ...
+    scaled_loss = optimizer.scale_loss(loss)
+grads = compute_true_gradients(tape, scaled_loss, variables, optimizer)
+grads = custom_fit.clipping.clip_by_global_norm(grads, 1.0)
+apply_true_gradients(optimizer, grads, variables)
+```
+"""
+
+import keras
+import tensorflow as tf
+
+from custom_fit import _gradient_ops
+
+_OPTIMIZER_CLIPPING_ARGUMENTS = ("clipnorm", "clipvalue", "global_clipnorm")
+
+
+def loss_scale(optimizer):
+    """Returns the factor by which `optimizer.scale_loss` multiplies a loss.
+
+    Args:
+        optimizer: A `keras.optimizers.Optimizer`, or `None`.
+
+    Returns:
+        `None` when the optimizer does not scale the loss; else a float or
+        a scalar tensor (the current dynamic scale of a
+        `LossScaleOptimizer`).
+    """
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        if optimizer.built:
+            return tf.convert_to_tensor(optimizer.dynamic_scale)
+        return optimizer.initial_scale
+    return getattr(optimizer, "loss_scale_factor", None)
+
+
+def replica_count():
+    """Returns the number of replicas whose gradients are summed per step.
+
+    Returns:
+        `num_replicas_in_sync` of the current replica context, or 1 outside
+        any (cross-replica context).
+    """
+    context = tf.distribute.get_replica_context()
+    if context is None:
+        return 1
+    return context.num_replicas_in_sync
+
+
+def _multiply(gradients, variables, factor):
+    """Multiplies each gradient by `factor`, except for variables that Keras
+    overwrites with their gradient (float8 scales), which it never scales."""
+    return [
+        g
+        if g is None or getattr(v, "overwrite_with_gradient", False)
+        else _gradient_ops.map_values(
+            lambda values: values * tf.cast(factor, values.dtype), g
+        )
+        for g, v in zip(gradients, variables)
+    ]
+
+
+def compute_true_gradients(tape, scaled_loss, variables, optimizer):
+    """Returns the unscaled gradients of the global batch.
+
+    Call it in the replica context of a training step (inside `train_step`,
+    or a function run by `strategy.run`), with the loss returned by
+    `optimizer.scale_loss`.
+
+    Args:
+        tape: The `tf.GradientTape` that recorded `scaled_loss`.
+        scaled_loss: Scalar tensor: the loss after `optimizer.scale_loss`
+            (under `tf.distribute`, the per-replica loss that Keras scales
+            by `1 / num_replicas`).
+        variables: List of the variables to differentiate.
+        optimizer: The optimizer that scaled the loss, or `None`.
+
+    Returns:
+        A list aligned with `variables`: tensors, `tf.IndexedSlices` or
+        `None`. They equal the gradient of the unscaled loss on one device
+        with the global batch: loss scale divided out, and summed across
+        replicas, so every replica holds the same values.
+    """
+    gradients = tape.gradient(scaled_loss, variables)
+    scale = loss_scale(optimizer)
+    if scale is not None:
+        gradients = _multiply(gradients, variables, 1.0 / scale)
+    return all_reduce_sum(gradients)
+
+
+def all_reduce_sum(gradients):
+    """Sums gradients across the replicas of the current replica context.
+
+    Args:
+        gradients: List of tensors, `tf.IndexedSlices` or `None`.
+
+    Returns:
+        The list of summed gradients, identical on every replica (`None`
+        stays `None`); the input unchanged with a single replica.
+    """
+    if replica_count() == 1:
+        return list(gradients)
+    present = [g for g in gradients if g is not None]
+    if not present:
+        return list(gradients)
+    summed = iter(
+        tf.distribute.get_replica_context().all_reduce(
+            tf.distribute.ReduceOp.SUM, present
+        )
+    )
+    return [None if g is None else next(summed) for g in gradients]
+
+
+def apply_true_gradients(optimizer, gradients, variables, finite=None):
+    """Applies true gradients with `optimizer`, scaled so it sees them once.
+
+    `optimizer.apply` divides by the loss scale and sums across replicas.
+    For gradients that are already true, this function first multiplies by
+    the loss scale and divides by the replica count, so the optimizer's own
+    unscaling and summing give back exactly the gradients passed here (the
+    loss scale of a `LossScaleOptimizer` and the replica counts in use are
+    powers of two, so both steps are exact in floating point).
+
+    Args:
+        optimizer: A `keras.optimizers.Optimizer`.
+        gradients: List aligned with `variables`, as returned by
+            `compute_true_gradients` (optionally transformed); the same on
+            every replica.
+        variables: List of the variables to update.
+        finite: Optional boolean scalar tensor, the same on every replica.
+            When given and `False`, no model or optimizer variable changes,
+            except that a `LossScaleOptimizer` halves its dynamic scale, as it
+            does on any non-finite step. When `None`, the update is applied
+            unconditionally.
+    """
+    factor = 1.0
+    scale = loss_scale(optimizer)
+    if scale is not None:
+        factor = scale
+    replicas = replica_count()
+    if replicas > 1:
+        factor = factor / replicas
+    is_loss_scale_optimizer = isinstance(
+        optimizer, keras.optimizers.LossScaleOptimizer
+    )
+    if is_loss_scale_optimizer and finite is not None:
+        # A NaN factor makes the LossScaleOptimizer see a non-finite step
+        # even when clipping turned infinities into finite numbers.
+        factor = tf.where(finite, tf.cast(factor, tf.float32), float("nan"))
+    if not isinstance(factor, float) or factor != 1.0:
+        gradients = _multiply(gradients, variables, factor)
+
+    if finite is None or is_loss_scale_optimizer:
+        optimizer.apply(gradients, variables)
+    else:
+        _apply_if(finite, optimizer, gradients, variables)
+
+
+def _apply_if(finite, optimizer, gradients, variables):
+    """Runs `optimizer.apply` only when `finite` is true.
+
+    Under `tf.distribute`, `optimizer.apply` synchronises replicas with a
+    `merge_call`, which may not sit in a `tf.cond` branch in replica
+    context; the condition is then evaluated in cross-replica context, as
+    `LossScaleOptimizer` does.
+    """
+    if not tf.distribute.has_strategy():
+        tf.cond(
+            finite,
+            lambda: optimizer.apply(gradients, variables),
+            lambda: None,
+        )
+        return
+
+    def cross_replica(strategy, gradients, finite):
+        first_finite = strategy.experimental_local_results(finite)[0]
+
+        def apply_on_each_replica():
+            strategy.extended.call_for_each_replica(
+                optimizer.apply, args=(gradients, variables)
+            )
+
+        tf.cond(first_finite, apply_on_each_replica, lambda: None)
+
+    tf.distribute.get_replica_context().merge_call(
+        cross_replica, args=(gradients, finite)
+    )
+
+
+def optimizer_clipping(optimizer):
+    """Returns the clipping arguments that `optimizer` itself applies.
+
+    Args:
+        optimizer: A `keras.optimizers.Optimizer` (a `LossScaleOptimizer`
+            is looked through), or `None`.
+
+    Returns:
+        A dict of the set `clipnorm`, `clipvalue` and `global_clipnorm`
+        arguments (empty when the optimizer does not clip).
+    """
+    optimizer = getattr(optimizer, "inner_optimizer", optimizer)
+    found = {}
+    for name in _OPTIMIZER_CLIPPING_ARGUMENTS:
+        value = getattr(optimizer, name, None)
+        if value:
+            found[name] = value
+    return found

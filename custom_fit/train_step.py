@@ -1,0 +1,373 @@
+"""`TrainStepMixin`: `train_step` and `test_step` as a pipeline of hooks."""
+
+import warnings
+
+import keras
+import tensorflow as tf
+
+from custom_fit import _keras_compat
+from custom_fit import _options
+from custom_fit import _validation
+from custom_fit import clipping
+from custom_fit import pipeline
+
+
+class TrainStepMixin:
+    """Base mixin: Keras' training step, split into overridable hooks.
+
+    Put it (or any custom_fit mixin, which all derive from it) before the
+    Keras model class. With no hook overridden, `fit` and `evaluate` give
+    the same weights and logs as the plain model. Each step runs:
+
+    ```python
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    with tf.GradientTape() as tape:
+        y_pred = self.forward_pass(x, training=True)
+        loss = self.compute_loss(x, y, y_pred, sample_weight, training=True)
+        scaled_loss = self.optimizer.scale_loss(loss)
+    gradients = self.compute_gradients(tape, scaled_loss, variables)
+    gradients = self.transform_gradients(gradients, variables)
+    self.apply_gradients(gradients, variables, finite)
+    return self.compute_metrics(x, y, y_pred, sample_weight)
+    ```
+
+    `compute_gradients` returns the *true* gradients: the loss scale of
+    mixed precision is divided out, and under `tf.distribute` they are
+    summed across replicas, so they equal the single-device gradients of
+    the global batch and are the same on every replica.
+    `transform_gradients` (clipping, your own changes) therefore acts on
+    true gradients, and `apply_gradients` hands them to the optimizer so
+    that it neither unscales nor sums them a second time.
+
+    Mixins chain through `transform_gradients`: each applies its transform
+    and passes the result to `super()`, so they run left to right in the
+    class statement. An override in your class body runs around all of
+    them: code before its `super()` call sees the true gradients, code
+    after it sees the output of every mixin.
+
+    Args:
+        skip_nonfinite: Bool. If `True`, a step whose gradients (true or
+            transformed) hold NaN or Inf changes no weight and no optimizer
+            variable (slots, iteration count); `logs["skipped_steps"]`
+            counts such steps per epoch and training goes on. The decision
+            is taken on the summed gradients, so all replicas agree.
+            Defaults to `False` (Keras behaviour: the update is applied).
+        max_consecutive_skipped_steps: Integer or `None`. With
+            `skip_nonfinite=True`, the number of consecutive skipped steps
+            after which training stops with a `RuntimeError`. Checked after
+            each call of the train function (every `steps_per_execution`
+            steps). Defaults to 20; `None` for no limit.
+
+    Example:
+
+    ```python
+    class Net(custom_fit.TrainStepMixin, keras.Model):
+        def transform_gradients(self, gradients, variables):
+            gradients = super().transform_gradients(gradients, variables)
+            return [None if g is None else 0.5 * g for g in gradients]
+
+    inputs = keras.Input((4,))
+    model = Net(inputs, keras.layers.Dense(1)(inputs), skip_nonfinite=True)
+    model.compile(optimizer="sgd", loss="mse")
+    ```
+    """
+
+    skip_nonfinite = _options.Option(False, _validation.boolean)
+    max_consecutive_skipped_steps = _options.Option(
+        20, _validation.positive_int_or_none
+    )
+
+    def __init__(self, *args, **kwargs):
+        names = _options.declared_options(type(self))
+        options = {name: kwargs.pop(name) for name in names if name in kwargs}
+        super().__init__(*args, **kwargs)
+        self._configure_options(options)
+
+    def _configure_options(self, options):
+        """Validates and stores `options`, then creates the state they need."""
+        _options.store_options(self, options)
+        self._warned_about = set()
+        if self.skip_nonfinite and not hasattr(self, "_skipped_steps"):
+            self._skipped_steps = keras.metrics.Sum(name="skipped_steps")
+            self._consecutive_skipped_steps = tf.Variable(
+                0,
+                dtype=tf.int64,
+                trainable=False,
+                aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+                name="consecutive_skipped_steps",
+            )
+
+    # Hooks, in the order `train_step` calls them.
+
+    def forward_pass(self, x, training):
+        """Runs the model on `x`. First hook of `train_step` and `test_step`.
+
+        Args:
+            x: Input data of the batch.
+            training: Bool. `True` in `train_step`, `False` in `test_step`.
+
+        Returns:
+            The predictions `y_pred`.
+        """
+        return _keras_compat.call_model(self, x, training=training)
+
+    def compute_gradients(self, tape, scaled_loss, variables):
+        """Returns the true gradients. Runs after the loss, inside the step.
+
+        The result is no longer loss-scaled and, under `tf.distribute`, is
+        summed across replicas (see `custom_fit.pipeline`).
+
+        Args:
+            tape: The `tf.GradientTape` of the forward pass.
+            scaled_loss: The loss after `optimizer.scale_loss`.
+            variables: The variables to differentiate (by default
+                `self.trainable_variables`).
+
+        Returns:
+            A list aligned with `variables`.
+        """
+        return pipeline.compute_true_gradients(
+            tape, scaled_loss, variables, self.optimizer
+        )
+
+    def transform_gradients(self, gradients, variables):
+        """Returns modified gradients. Runs after `compute_gradients`.
+
+        The gradients received are true: not loss-scaled and already summed
+        across replicas. Override it, calling `super()`, to change them;
+        this base implementation returns them unchanged.
+
+        Args:
+            gradients: List aligned with `variables`: tensors,
+                `tf.IndexedSlices` or `None`.
+            variables: The variables the gradients belong to.
+
+        Returns:
+            A list of the same length as `variables`.
+        """
+        del variables
+        return gradients
+
+    def apply_gradients(self, gradients, variables, finite=None):
+        """Updates the variables. Runs after `transform_gradients`.
+
+        The gradients received are true (not loss-scaled, summed across
+        replicas); see `custom_fit.pipeline.apply_true_gradients`.
+
+        Args:
+            gradients: List aligned with `variables`.
+            variables: The variables to update.
+            finite: Boolean scalar tensor or `None`. When given and `False`,
+                the step is skipped.
+        """
+        pipeline.apply_true_gradients(
+            self.optimizer, gradients, variables, finite=finite
+        )
+
+    # The step.
+
+    def train_step(self, data):
+        """Runs one training step: the hooks above, then the metrics.
+
+        Args:
+            data: A batch, as produced by the data adapter of `fit`.
+
+        Returns:
+            A dict of metric results, as `keras.Model.train_step` returns.
+        """
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        with tf.GradientTape() as tape:
+            y_pred = self.forward_pass(x, training=True)
+            loss = _keras_compat.compute_loss(
+                self, x, y, y_pred, sample_weight, training=True
+            )
+            _keras_compat.track_loss(self, loss, x)
+            if self.optimizer is not None:
+                loss = self.optimizer.scale_loss(loss)
+
+        variables = self.trainable_variables
+        if variables:
+            self._warn_about_optimizer_clipping()
+            self._run_gradient_pipeline(tape, loss, variables)
+        else:
+            warnings.warn("The model does not have any trainable weights.")
+        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    def _run_gradient_pipeline(self, tape, scaled_loss, variables):
+        """compute -> transform -> apply, with the non-finite check."""
+        gradients = self.compute_gradients(tape, scaled_loss, variables)
+        check = self.skip_nonfinite or isinstance(
+            self.optimizer, keras.optimizers.LossScaleOptimizer
+        )
+        finite = clipping.all_finite(gradients) if check else None
+        gradients = self.transform_gradients(gradients, variables)
+        if self.skip_nonfinite:
+            finite = tf.logical_and(finite, clipping.all_finite(gradients))
+        self.apply_gradients(gradients, variables, finite=finite)
+        if self.skip_nonfinite:
+            self._record_skipped_step(tf.logical_not(finite))
+
+    def _record_skipped_step(self, skipped):
+        """Counts a skipped step in the metric and the consecutive counter."""
+        context = tf.distribute.get_replica_context()
+        first_replica = tf.equal(context.replica_id_in_sync_group, 0)
+        # Sum metrics add up every replica's update: count on one replica.
+        self._skipped_steps.update_state(
+            tf.cast(tf.logical_and(skipped, first_replica), tf.float32)
+        )
+        count = self._consecutive_skipped_steps
+        limit = self.max_consecutive_skipped_steps
+        new_count = tf.where(skipped, count + 1, tf.zeros_like(count))
+        if limit is not None:
+            # Past the limit the count stays put until the host reads it, so
+            # a streak inside one `steps_per_execution` call is not lost.
+            new_count = tf.where(count > limit, count, new_count)
+        count.assign(new_count)
+
+    def test_step(self, data):
+        """Runs one evaluation step: forward pass, loss, metrics.
+
+        Args:
+            data: A batch, as produced by the data adapter of `evaluate`.
+
+        Returns:
+            A dict of metric results, without the training-only ones (such
+            as `skipped_steps`).
+        """
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        y_pred = self.forward_pass(x, training=False)
+        loss = _keras_compat.compute_loss(
+            self, x, y, y_pred, sample_weight, training=False
+        )
+        _keras_compat.track_loss(self, loss, x)
+        logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        return {
+            name: value
+            for name, value in logs.items()
+            if name not in self._train_only_metric_names()
+        }
+
+    def _train_only_metric_names(self):
+        """Returns the names of metrics that `test_step` leaves out."""
+        return {"skipped_steps"} if self.skip_nonfinite else set()
+
+    def make_train_function(self, force=False):
+        """Builds the train function; adds the skipped-step limit check.
+
+        Args:
+            force: Bool. Rebuild even if a train function exists.
+
+        Returns:
+            The train function.
+        """
+        if self.train_function is not None and not force:
+            return self.train_function
+        super().make_train_function(force=force)
+        if self.skip_nonfinite and self.max_consecutive_skipped_steps:
+            self.train_function = self._with_skipped_step_limit(
+                self.train_function
+            )
+        return self.train_function
+
+    def _with_skipped_step_limit(self, train_function):
+        """Wraps `train_function` to raise once too many steps were skipped.
+
+        Keras' loop already waits for each call's result, so reading one
+        counter here adds no synchronisation; XLA would drop an in-graph
+        assertion, which is why the check lives on the host.
+        """
+        limit = self.max_consecutive_skipped_steps
+
+        def checked_train_function(iterator):
+            logs = train_function(iterator)
+            count = int(self._consecutive_skipped_steps.numpy())
+            if count > limit:
+                self._consecutive_skipped_steps.assign(0)
+                raise RuntimeError(
+                    f"{count} consecutive training steps had non-finite "
+                    "gradients (NaN or Inf) and were skipped, more than "
+                    f"`max_consecutive_skipped_steps={limit}`. Training "
+                    "stopped. Check the inputs and labels for NaN, lower the "
+                    "learning rate, or clip gradients; pass a larger "
+                    "`max_consecutive_skipped_steps` (or None) to allow "
+                    "longer runs of skipped steps."
+                )
+            return logs
+
+        return checked_train_function
+
+    def _warn_about_optimizer_clipping(self):
+        """Warns once if the optimizer's own clipping is wrong or redundant."""
+        found = pipeline.optimizer_clipping(self.optimizer)
+        twice = self._clips_gradients()
+        if not found or not (twice or pipeline.replica_count() > 1):
+            return
+        self._warn_once(
+            "optimizer_clipping",
+            f"The optimizer clips gradients itself ({_format(found)})."
+            + (
+                " custom_fit already clips them, so they are clipped twice."
+                if twice
+                else ""
+            )
+            + " Under tf.distribute, Keras' optimizer-level clipping acts on "
+            "each replica's share of the gradient, before the replicas are "
+            "summed, so it does not clip the gradient of the global batch. "
+            "Remove the clipping arguments from the optimizer and pass them "
+            "to custom_fit.GradientClippingMixin instead.",
+        )
+
+    def _clips_gradients(self):
+        """Returns whether a mixin clips gradients (see the clipping mixin)."""
+        return False
+
+    def _warn_once(self, key, message):
+        """Emits `message` as a `UserWarning` once per model and `key`."""
+        if key in self._warned_about:
+            return
+        self._warned_about.add(key)
+        warnings.warn(message, UserWarning, stacklevel=3)
+
+    # Serialization.
+
+    def get_config(self):
+        """Returns the model config plus every mixin keyword.
+
+        Returns:
+            A dict: the Keras model config, updated with one entry per mixin
+            keyword (the constructor argument names).
+        """
+        config = super().get_config()
+        config.update(
+            {
+                name: getattr(self, name)
+                for name in _options.declared_options(type(self))
+            }
+        )
+        return config
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        """Rebuilds a model from `get_config()`, mixin keywords included.
+
+        Keras' `Sequential.from_config` drops unknown keys, so the mixin
+        keywords are taken out, the model is built, and they are applied.
+
+        Args:
+            config: Dict returned by `get_config()`.
+            custom_objects: Optional dict of custom objects.
+
+        Returns:
+            The model.
+        """
+        config = dict(config)
+        names = _options.declared_options(cls)
+        options = {name: config.pop(name) for name in names if name in config}
+        model = super().from_config(config, custom_objects=custom_objects)
+        model._configure_options(options)
+        return model
+
+
+def _format(arguments):
+    """Formats a dict as `name=value, ...`."""
+    return ", ".join(f"{name}={value}" for name, value in arguments.items())

@@ -1,0 +1,208 @@
+"""Tests of the pure clipping functions against NumPy definitions."""
+
+import numpy as np
+import tensorflow as tf
+from absl.testing import parameterized
+
+from custom_fit import clipping
+from tests import testing
+
+
+def numpy_adaptive_clip(grad, weight, clipping_ratio, eps):
+    """AGC written from the paper's definition, independent of the code."""
+    grad = np.asarray(grad, np.float64)
+    weight = np.asarray(weight, np.float64)
+    if grad.ndim <= 1:
+        axes, keep = None, False
+    else:
+        axes, keep = tuple(range(grad.ndim - 1)), True
+    g_norm = np.sqrt(np.sum(grad**2, axis=axes, keepdims=keep))
+    w_norm = np.maximum(np.sqrt(np.sum(weight**2, axis=axes, keepdims=keep)), eps)
+    max_norm = clipping_ratio * w_norm
+    factor = np.where(g_norm > max_norm, max_norm / np.maximum(g_norm, 1e-6), 1.0)
+    return grad * factor
+
+
+def dense(gradient):
+    """Returns the dense NumPy array of a tensor or IndexedSlices."""
+    return tf.convert_to_tensor(gradient).numpy()
+
+
+class ClippingTest(testing.TestCase):
+    def test_clip_by_norm_hand_computed(self):
+        """[100, 100] clipped to norm 1 is [sqrt(2)/2] * 2, as in Keras."""
+        (clipped,) = clipping.clip_by_norm([tf.constant([100.0, 100.0])], 1.0)
+        self.assertAllClose(clipped, [2**0.5 / 2] * 2)
+
+    def test_clip_by_norm_within_bound_unchanged(self):
+        """A gradient already inside the bound is returned as it was."""
+        (clipped,) = clipping.clip_by_norm([tf.constant([0.3, 0.4])], 1.0)
+        self.assertAllClose(clipped, [0.3, 0.4])
+
+    def test_clip_by_global_norm_hand_computed(self):
+        """[3], [4] have global norm 5; clipped to 1 they are 0.6 and 0.8."""
+        grads = clipping.clip_by_global_norm(
+            [tf.constant([3.0]), None, tf.constant([4.0])], 1.0
+        )
+        self.assertIsNone(grads[1])
+        self.assertAllClose([grads[0], grads[2]], [[0.6], [0.8]])
+
+    def test_clip_by_global_norm_nonfinite_gives_nan(self):
+        """An infinite entry makes every clipped entry NaN, as in Keras."""
+        grads = clipping.clip_by_global_norm(
+            [tf.constant([np.inf, 1.0]), tf.constant([2.0])], 1.0
+        )
+        self.assertTrue(np.all(np.isnan(dense(grads[0]))))
+        self.assertTrue(np.all(np.isnan(dense(grads[1]))))
+
+    def test_clip_by_value_hand_computed(self):
+        """Entries are clipped to [-v, v]; None passes through."""
+        grads = clipping.clip_by_value([tf.constant([-3.0, 0.5, 2.0]), None], 1.0)
+        self.assertAllClose(grads[0], [-1.0, 0.5, 1.0])
+        self.assertIsNone(grads[1])
+
+    def test_global_norm_matches_numpy(self):
+        """global_norm equals the norm of the concatenated entries."""
+        rng = np.random.RandomState(0)
+        arrays = [rng.randn(3, 4), rng.randn(5)]
+        expected = np.sqrt(sum(np.sum(a**2) for a in arrays))
+        self.assertAllClose(
+            clipping.global_norm([tf.constant(a, tf.float32) for a in arrays]),
+            expected,
+            rtol=1e-5,
+        )
+
+    def test_clip_by_group_norm_matches_numpy(self):
+        """Each group is rescaled jointly; ungrouped gradients are kept."""
+        rng = np.random.RandomState(1)
+        arrays = [rng.randn(3, 2) * 5, rng.randn(2) * 5, rng.randn(4), rng.randn(2)]
+        groups = ["a", "a", "b", None]
+        grads = clipping.clip_by_group_norm(
+            [tf.constant(a, tf.float32) for a in arrays], groups, 1.0
+        )
+        norm_a = np.sqrt(np.sum(arrays[0] ** 2) + np.sum(arrays[1] ** 2))
+        norm_b = np.sqrt(np.sum(arrays[2] ** 2))
+        expected = [
+            arrays[0] / max(norm_a, 1.0),
+            arrays[1] / max(norm_a, 1.0),
+            arrays[2] / max(norm_b, 1.0),
+            arrays[3],
+        ]
+        self.assertAllClose(grads, expected, rtol=1e-5)
+
+    @parameterized.named_parameters(
+        ("kernel", (4, 3)),
+        ("conv_kernel", (2, 2, 3, 5)),
+        ("bias", (3,)),
+        ("scalar", ()),
+    )
+    def test_adaptive_clip_matches_numpy(self, shape):
+        """AGC equals a NumPy implementation of Brock et al.'s definition."""
+        rng = np.random.RandomState(2)
+        weight = np.asarray(rng.randn(*shape), "float32")
+        grad = np.asarray(rng.randn(*shape) * rng.choice([0.01, 10.0], size=shape),
+            "float32"
+        )
+        (clipped,) = clipping.adaptive_clip(
+            [tf.constant(grad)], [tf.constant(weight)], clipping=0.1, eps=1e-3
+        )
+        expected = numpy_adaptive_clip(grad, weight, 0.1, 1e-3)
+        self.assertAllClose(clipped, expected, rtol=1e-5, atol=1e-7)
+
+    def test_adaptive_clip_zero_weights_uses_eps(self):
+        """Zero weights still allow a gradient of norm clipping * eps."""
+        (clipped,) = clipping.adaptive_clip(
+            [tf.constant([3.0, 4.0])], [tf.zeros(2)], clipping=1.0, eps=1e-3
+        )
+        self.assertAllClose(np.linalg.norm(dense(clipped)), 1e-3, rtol=1e-5)
+
+    @parameterized.named_parameters(
+        ("by_value", lambda g: clipping.clip_by_value(g, 0.5)),
+        ("by_norm", lambda g: clipping.clip_by_norm(g, 0.5)),
+        ("by_global_norm", lambda g: clipping.clip_by_global_norm(g, 0.5)),
+    )
+    def test_clipping_twice_equals_once(self, clip):
+        """Clipping is idempotent (up to rounding)."""
+        rng = np.random.RandomState(3)
+        grads = [tf.constant(rng.randn(4, 3) * 3, tf.float32), None]
+        once = clip(grads)
+        twice = clip(once)
+        self.assertIsNone(twice[1])
+        self.assertAllClose(twice[0], once[0], rtol=1e-5)
+
+    def test_clip_all_bounds_hold(self):
+        """With every option, every requested bound holds on the result."""
+        rng = np.random.RandomState(4)
+        arrays = [rng.randn(5, 4) * 10, rng.randn(4) * 10, rng.randn(4, 2) * 10]
+        weights = [tf.constant(rng.randn(*a.shape), tf.float32) for a in arrays]
+        grads = clipping.clip(
+            [tf.constant(a, tf.float32) for a in arrays],
+            weights,
+            ["x", "x", "y"],
+            adaptive_clipping=0.5,
+            clipvalue=2.0,
+            clipnorm=3.0,
+            group_clipnorm=2.5,
+            global_clipnorm=2.0,
+        )
+        values = [dense(g) for g in grads]
+        self.assertLessEqual(max(np.abs(v).max() for v in values), 2.0 + 1e-6)
+        for v in values:
+            self.assertLessEqual(np.linalg.norm(v), 3.0 + 1e-5)
+        self.assertLessEqual(
+            np.sqrt(np.sum(values[0] ** 2) + np.sum(values[1] ** 2)), 2.5 + 1e-5
+        )
+        self.assertLessEqual(
+            np.sqrt(sum(np.sum(v**2) for v in values)), 2.0 + 1e-5
+        )
+
+    @parameterized.named_parameters(
+        ("by_value", lambda g: clipping.clip_by_value(g, 0.5)),
+        ("by_norm", lambda g: clipping.clip_by_norm(g, 0.5)),
+        ("by_global_norm", lambda g: clipping.clip_by_global_norm(g, 0.5)),
+        ("by_group_norm", lambda g: clipping.clip_by_group_norm(g, ["a"], 0.5)),
+        (
+            "adaptive",
+            lambda g: clipping.adaptive_clip(g, [tf.ones((4, 2))], 0.1),
+        ),
+    )
+    def test_indexed_slices_equal_dense(self, clip):
+        """IndexedSlices with a repeated index clip like their dense sum."""
+        values = tf.constant([[1.0, 2.0], [3.0, -4.0], [0.5, 0.5]])
+        indices = tf.constant([1, 3, 1])
+        slices = tf.IndexedSlices(values, indices, tf.constant([4, 2]))
+        (from_slices,) = clip([slices])
+        (from_dense,) = clip([tf.convert_to_tensor(slices)])
+        self.assertIsInstance(from_slices, tf.IndexedSlices)
+        self.assertAllClose(dense(from_slices), dense(from_dense), rtol=1e-6)
+
+    def test_functions_work_under_xla(self):
+        """The clip function compiles with jit_compile=True."""
+        rng = np.random.RandomState(5)
+        grads = [tf.constant(rng.randn(3, 2), tf.float32), tf.constant([9.0, 1.0])]
+        weights = [tf.ones((3, 2)), tf.ones(2)]
+
+        def run(g):
+            return clipping.clip(
+                g, weights, ["a", "b"], adaptive_clipping=0.3, clipvalue=1.0,
+                clipnorm=1.0, group_clipnorm=1.0, global_clipnorm=1.0,
+            )
+
+        compiled = tf.function(run, jit_compile=True)
+        self.assertAllClose(compiled(grads), run(grads), rtol=1e-5)
+
+    def test_all_finite(self):
+        """all_finite is False for NaN or Inf, True otherwise and for None."""
+        self.assertTrue(bool(clipping.all_finite([tf.ones(2), None])))
+        self.assertFalse(bool(clipping.all_finite([tf.constant([np.nan])])))
+        self.assertFalse(bool(clipping.all_finite([tf.constant([-np.inf])])))
+
+    def test_group_length_mismatch_raises(self):
+        """A wrong-length `groups` list is refused, naming both lengths."""
+        with self.assertRaisesRegex(ValueError, "len\\(groups\\)=1"):
+            clipping.clip_by_group_norm([tf.ones(1), tf.ones(1)], ["a"], 1.0)
+
+    def test_adaptive_length_mismatch_raises(self):
+        """A wrong-length `variables` list is refused."""
+        with self.assertRaisesRegex(ValueError, "len\\(variables\\)=0"):
+            clipping.adaptive_clip([tf.ones(1)], [], 0.1)

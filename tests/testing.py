@@ -1,0 +1,100 @@
+"""Shared test helpers: a Keras-like TestCase, tiny models and data."""
+
+import keras
+import numpy as np
+import tensorflow as tf
+from absl.testing import parameterized
+
+# Named execution modes for `fit`, as Keras' own trainer tests sweep them.
+EXECUTION_MODES = (
+    ("eager", dict(run_eagerly=True)),
+    ("graph_fn", dict(run_eagerly=False, jit_compile=False)),
+    ("jit", dict(run_eagerly=False, jit_compile=True)),
+    ("steps_per_execution", dict(jit_compile=False, steps_per_execution=4)),
+)
+
+
+class TestCase(parameterized.TestCase):
+    """Clears the Keras session and seeds everything before each test."""
+
+    def setUp(self):
+        super().setUp()
+        keras.backend.clear_session()
+        keras.utils.set_random_seed(0)
+        keras.mixed_precision.set_global_policy("float32")
+
+    def assertAllClose(self, actual, expected, atol=1e-6, rtol=1e-6, msg=""):
+        """Asserts arrays, or lists of arrays, are elementwise close."""
+        if _is_list_of_arrays(actual) or _is_list_of_arrays(expected):
+            self.assertEqual(len(actual), len(expected), msg)
+            for a, e in zip(actual, expected):
+                self.assertAllClose(a, e, atol=atol, rtol=rtol, msg=msg)
+            return
+        np.testing.assert_allclose(
+            np.asarray(actual), np.asarray(expected), atol=atol, rtol=rtol,
+            err_msg=msg,
+        )
+
+    def assertWeightsClose(self, model_a, model_b, atol=1e-6):
+        """Asserts two models have the same weights, in order."""
+        self.assertAllClose(
+            model_a.get_weights(), model_b.get_weights(), atol=atol
+        )
+
+
+def _is_list_of_arrays(value):
+    """True for a list or tuple whose items are arrays, tensors or lists."""
+    return isinstance(value, (list, tuple)) and any(
+        hasattr(item, "shape") or isinstance(item, (list, tuple))
+        for item in value
+    )
+
+
+def classification_data(samples=64, features=4, classes=3, seed=0):
+    """Returns `(x, y)`: float32 features and integer labels."""
+    rng = np.random.RandomState(seed)
+    x = rng.randn(samples, features).astype("float32")
+    y = rng.randint(0, classes, size=samples)
+    return x, y
+
+
+def mlp(model_class=keras.Model, features=4, classes=3, seed=1, **kwargs):
+    """Returns a tiny functional MLP with fixed initial weights.
+
+    Layers: `hidden` (Dense 8, relu) and `output` (Dense `classes`, logits).
+    """
+    inputs = keras.Input((features,), name="features")
+    hidden = keras.layers.Dense(
+        8,
+        activation="relu",
+        kernel_initializer=keras.initializers.GlorotUniform(seed=seed),
+        bias_initializer=keras.initializers.RandomNormal(0.0, 0.1, seed=seed),
+        name="hidden",
+    )(inputs)
+    outputs = keras.layers.Dense(
+        classes,
+        kernel_initializer=keras.initializers.GlorotUniform(seed=seed + 1),
+        name="output",
+    )(hidden)
+    return model_class(inputs, outputs, **kwargs)
+
+
+def sparse_crossentropy():
+    """Returns the loss used with `mlp` (logits, integer labels)."""
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def weights_after_one_sgd_step(weights, gradients, learning_rate):
+    """Returns `w - learning_rate * g` for each pair: the SGD oracle."""
+    return [w - learning_rate * g for w, g in zip(weights, gradients)]
+
+
+def tape_gradients(model, x, y, loss_fn):
+    """Returns the gradients of `loss_fn` w.r.t. the trainable weights,
+    computed with a plain `tf.GradientTape` (the manual oracle)."""
+    with tf.GradientTape() as tape:
+        loss = loss_fn(y, model(x, training=True))
+        if model.losses:
+            loss = loss + tf.add_n(model.losses)
+    grads = tape.gradient(loss, model.trainable_variables)
+    return [tf.convert_to_tensor(g).numpy() for g in grads]

@@ -1,0 +1,360 @@
+"""TrainStepMixin against plain Keras: same weights, same logs."""
+
+import keras
+import numpy as np
+import tensorflow as tf
+from absl.testing import parameterized
+
+import custom_fit
+from tests import testing
+
+
+class Net(custom_fit.TrainStepMixin, keras.Model):
+    pass
+
+
+class SequentialNet(custom_fit.TrainStepMixin, keras.Sequential):
+    pass
+
+
+def fit_pair(make_model, compile_kwargs, fit_kwargs, optimizer="adam"):
+    """Trains a plain and a mixin model from the same weights; returns both
+    models and both histories."""
+    results = []
+    for model_class in make_model.classes:
+        keras.utils.set_random_seed(0)
+        model = make_model(model_class)
+        model.compile(
+            optimizer=keras.optimizers.get(
+                {"class_name": optimizer, "config": {"learning_rate": 0.05}}
+            ),
+            **compile_kwargs,
+        )
+        history = model.fit(verbose=0, shuffle=False, **fit_kwargs)
+        results.append((model, history.history))
+    return results
+
+
+def functional_mlp(model_class):
+    return testing.mlp(model_class)
+
+
+functional_mlp.classes = (keras.Model, Net)
+
+
+def sequential_mlp(model_class):
+    return model_class(
+        [
+            keras.Input((4,)),
+            keras.layers.Dense(
+                8, activation="relu",
+                kernel_initializer=keras.initializers.GlorotUniform(seed=3),
+            ),
+            keras.layers.Dense(
+                3, kernel_initializer=keras.initializers.GlorotUniform(seed=4)
+            ),
+        ]
+    )
+
+
+sequential_mlp.classes = (keras.Sequential, SequentialNet)
+
+
+class PlainSubclassed(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden = keras.layers.Dense(
+            8, activation="relu",
+            kernel_initializer=keras.initializers.GlorotUniform(seed=5),
+        )
+        self.out = keras.layers.Dense(
+            3, kernel_initializer=keras.initializers.GlorotUniform(seed=6)
+        )
+
+    def call(self, x, training=False):
+        return self.out(self.hidden(x))
+
+
+class MixinSubclassed(custom_fit.TrainStepMixin, PlainSubclassed):
+    pass
+
+
+def subclassed_mlp(model_class):
+    return model_class()
+
+
+subclassed_mlp.classes = (PlainSubclassed, MixinSubclassed)
+
+
+class ActivityPenalty(keras.layers.Layer):
+    """The seed's activity-regularization layer: adds a loss in `call`."""
+
+    def call(self, inputs):
+        self.add_loss(1e-2 * keras.ops.sum(keras.ops.abs(inputs)))
+        return inputs
+
+
+class TrainStepParityTest(testing.TestCase):
+    def assertSameTraining(self, pair, atol=1e-6):
+        (plain, plain_history), (mixin, mixin_history) = pair
+        self.assertWeightsClose(mixin, plain, atol=atol)
+        self.assertEqual(sorted(mixin_history), sorted(plain_history))
+        for key in plain_history:
+            self.assertAllClose(
+                mixin_history[key], plain_history[key], rtol=1e-5, msg=key
+            )
+
+    @parameterized.named_parameters(*testing.EXECUTION_MODES)
+    def test_same_weights_and_logs_as_keras(self, mode):
+        """Functional mixin model trains exactly like keras.Model."""
+        x, y = testing.classification_data()
+        pair = fit_pair(
+            functional_mlp,
+            dict(
+                loss=testing.sparse_crossentropy(),
+                metrics=["accuracy"],
+                **mode,
+            ),
+            dict(
+                x=x, y=y, batch_size=16, epochs=2,
+                validation_data=(x[:16], y[:16]),
+            ),
+        )
+        self.assertSameTraining(pair)
+
+    @parameterized.named_parameters(
+        ("sequential", sequential_mlp), ("subclassed", subclassed_mlp)
+    )
+    def test_same_as_keras_for_other_model_kinds(self, make_model):
+        """Sequential and subclassed bases train like their plain class."""
+        x, y = testing.classification_data()
+        pair = fit_pair(
+            make_model,
+            dict(loss=testing.sparse_crossentropy(), metrics=["accuracy"]),
+            dict(x=x, y=y, batch_size=16, epochs=2),
+        )
+        self.assertSameTraining(pair)
+
+    def test_same_as_keras_with_sample_and_class_weight(self):
+        """sample_weight and class_weight reach the loss as in Keras."""
+        x, y = testing.classification_data()
+        sample_weight = np.linspace(0.1, 2.0, len(x)).astype("float32")
+        for fit_kwargs in (
+            dict(sample_weight=sample_weight),
+            dict(class_weight={0: 0.2, 1: 1.0, 2: 3.0}),
+        ):
+            pair = fit_pair(
+                functional_mlp,
+                dict(
+                    loss=testing.sparse_crossentropy(),
+                    weighted_metrics=["accuracy"],
+                ),
+                dict(x=x, y=y, batch_size=16, epochs=2, **fit_kwargs),
+                optimizer="sgd",
+            )
+            self.assertSameTraining(pair)
+
+    def test_same_as_keras_with_tf_data_and_partial_batch(self):
+        """A tf.data input with a ragged last batch gives the same result."""
+        x, y = testing.classification_data(samples=70)
+        dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+        pair = fit_pair(
+            functional_mlp,
+            dict(loss=testing.sparse_crossentropy(), steps_per_execution=3),
+            dict(x=dataset, epochs=2, validation_data=dataset),
+        )
+        self.assertSameTraining(pair)
+
+    def test_same_as_keras_multi_output_dict_losses(self):
+        """Two named outputs with a dict of losses and loss weights."""
+
+        def two_heads(model_class):
+            inputs = keras.Input((4,))
+            hidden = keras.layers.Dense(
+                6, activation="tanh",
+                kernel_initializer=keras.initializers.GlorotUniform(seed=7),
+            )(inputs)
+            label = keras.layers.Dense(
+                3, name="label",
+                kernel_initializer=keras.initializers.GlorotUniform(seed=8),
+            )(hidden)
+            value = keras.layers.Dense(
+                1, name="value",
+                kernel_initializer=keras.initializers.GlorotUniform(seed=9),
+            )(hidden)
+            return model_class(inputs, {"label": label, "value": value})
+
+        two_heads.classes = (keras.Model, Net)
+        x, y = testing.classification_data()
+        targets = {"label": y, "value": x[:, :1] * 2.0}
+        pair = fit_pair(
+            two_heads,
+            dict(
+                loss={
+                    "label": testing.sparse_crossentropy(),
+                    "value": "mse",
+                },
+                loss_weights={"label": 1.0, "value": 0.5},
+                metrics={"value": ["mae"]},
+            ),
+            dict(x=x, y=targets, batch_size=16, epochs=2),
+        )
+        self.assertSameTraining(pair)
+
+    def test_add_loss_and_regularizers_counted(self):
+        """model.losses (kernel regularizer, add_loss) enter the loss."""
+
+        def regularized(model_class):
+            inputs = keras.Input((4,))
+            outputs = keras.layers.Dense(
+                3,
+                kernel_regularizer=keras.regularizers.L2(0.1),
+                kernel_initializer=keras.initializers.GlorotUniform(seed=2),
+            )(inputs)
+            return model_class(inputs, ActivityPenalty()(outputs))
+
+        regularized.classes = (keras.Model, Net)
+        x, y = testing.classification_data()
+        pair = fit_pair(
+            regularized,
+            dict(loss=testing.sparse_crossentropy()),
+            dict(x=x, y=y, batch_size=16, epochs=2),
+        )
+        self.assertSameTraining(pair)
+
+    def test_evaluate_same_as_keras(self):
+        """evaluate returns the same numbers, twice in a row."""
+        x, y = testing.classification_data()
+        results = []
+        for model_class in (keras.Model, Net):
+            model = testing.mlp(model_class)
+            model.compile(
+                loss=testing.sparse_crossentropy(), metrics=["accuracy"]
+            )
+            first = model.evaluate(x, y, batch_size=16, verbose=0)
+            second = model.evaluate(x, y, batch_size=16, verbose=0)
+            results.append((first, second))
+        self.assertAllClose(results[1], results[0], rtol=1e-6)
+        self.assertAllClose(results[1][0], results[1][1], rtol=1e-6)
+
+    def test_no_trainable_weights_warns_like_keras(self):
+        """A frozen model warns and still reports its loss."""
+        model = testing.mlp(Net)
+        model.trainable = False
+        model.compile(optimizer="sgd", loss=testing.sparse_crossentropy())
+        x, y = testing.classification_data(samples=16)
+        with self.assertWarnsRegex(UserWarning, "does not have any trainable"):
+            history = model.fit(x, y, batch_size=16, verbose=0)
+        self.assertIn("loss", history.history)
+
+
+class HookOrderTest(testing.TestCase):
+    def test_hooks_run_in_documented_order(self):
+        """train_step calls forward, loss, gradients, transform, apply,
+        metrics; test_step calls forward, loss, metrics."""
+        calls = []
+
+        class Recorder(Net):
+            def forward_pass(self, x, training):
+                calls.append(("forward_pass", training))
+                return super().forward_pass(x, training)
+
+            def compute_loss(
+                self, x=None, y=None, y_pred=None, sample_weight=None,
+                training=True,
+            ):
+                calls.append(("compute_loss", training))
+                return super().compute_loss(
+                    x, y, y_pred, sample_weight, training=training
+                )
+
+            def compute_gradients(self, tape, scaled_loss, variables):
+                calls.append(("compute_gradients",))
+                return super().compute_gradients(tape, scaled_loss, variables)
+
+            def transform_gradients(self, gradients, variables):
+                calls.append(("transform_gradients",))
+                return super().transform_gradients(gradients, variables)
+
+            def apply_gradients(self, gradients, variables, finite=None):
+                calls.append(("apply_gradients",))
+                return super().apply_gradients(gradients, variables, finite)
+
+            def compute_metrics(self, *args, **kwargs):
+                calls.append(("compute_metrics",))
+                return super().compute_metrics(*args, **kwargs)
+
+        model = testing.mlp(Recorder)
+        model.compile(
+            optimizer="sgd", loss=testing.sparse_crossentropy(),
+            run_eagerly=True,
+        )
+        x, y = testing.classification_data(samples=8)
+        model.fit(x, y, batch_size=8, verbose=0)
+        self.assertEqual(
+            calls,
+            [
+                ("forward_pass", True),
+                ("compute_loss", True),
+                ("compute_gradients",),
+                ("transform_gradients",),
+                ("apply_gradients",),
+                ("compute_metrics",),
+            ],
+        )
+        calls.clear()
+        model.evaluate(x, y, verbose=0)
+        self.assertEqual(
+            calls,
+            [
+                ("forward_pass", False),
+                ("compute_loss", False),
+                ("compute_metrics",),
+            ],
+        )
+
+    def test_transform_gradients_receives_tape_gradients(self):
+        """The gradients given to transform_gradients equal a manual tape."""
+        seen = []
+
+        class Spy(Net):
+            def transform_gradients(self, gradients, variables):
+                seen.append([tf.convert_to_tensor(g).numpy() for g in gradients])
+                return super().transform_gradients(gradients, variables)
+
+        model = testing.mlp(Spy)
+        x, y = testing.classification_data(samples=16)
+        expected = testing.tape_gradients(
+            model, x, y, testing.sparse_crossentropy()
+        )
+        model.compile(
+            optimizer="sgd", loss=testing.sparse_crossentropy(),
+            run_eagerly=True,
+        )
+        model.fit(x, y, batch_size=16, verbose=0)
+        self.assertAllClose(seen[0], expected, rtol=1e-5)
+
+    def test_mixins_chain_left_to_right(self):
+        """Two transform mixins run in class-statement order, both ways."""
+
+        class Add(custom_fit.TrainStepMixin):
+            def transform_gradients(self, gradients, variables):
+                gradients = [g + 1.0 for g in gradients]
+                return super().transform_gradients(gradients, variables)
+
+        class Double(custom_fit.TrainStepMixin):
+            def transform_gradients(self, gradients, variables):
+                gradients = [g * 2.0 for g in gradients]
+                return super().transform_gradients(gradients, variables)
+
+        class AddThenDouble(Add, Double, keras.Model):
+            pass
+
+        class DoubleThenAdd(Double, Add, keras.Model):
+            pass
+
+        zeros = [tf.zeros(2)]
+        add_first = testing.mlp(AddThenDouble)
+        double_first = testing.mlp(DoubleThenAdd)
+        self.assertAllClose(add_first.transform_gradients(zeros, [None]), [[2.0, 2.0]])
+        self.assertAllClose(double_first.transform_gradients(zeros, [None]), [[1.0, 1.0]])

@@ -43,15 +43,24 @@ def compute_loss(model, x, y, y_pred, sample_weight, training):
     )
 
 
-def track_loss(model, loss, x):
+def track_loss(model, loss, x, counted=None):
     """Updates the `loss` metric exactly as Keras' `train_step` does.
 
     `Trainer._loss_tracker` is the `Mean` metric behind `logs["loss"]`. Keras
     weights each batch by its size and undoes the `1 / num_replicas` scaling
     that `compute_loss` applies under `tf.distribute`.
+
+    Args:
+        model: The model.
+        loss: Scalar tensor, the loss of the batch (not loss-scaled).
+        x: The inputs of the batch, for its size.
+        counted: Optional boolean scalar tensor; when `False` the batch
+            is left out of the mean (a skipped step).
     """
-    batch_size = tf.shape(next(i for i in tf.nest.flatten(x) if i is not None))[0]
-    model._loss_tracker.update_state(
-        loss * tf.cast(pipeline.replica_count(), loss.dtype),
-        sample_weight=batch_size,
-    )
+    first_input = next(i for i in tf.nest.flatten(x) if i is not None)
+    weight = tf.cast(tf.shape(first_input)[0], loss.dtype)
+    loss = loss * tf.cast(pipeline.replica_count(), loss.dtype)
+    if counted is not None:
+        loss = tf.where(counted, loss, tf.zeros_like(loss))
+        weight = weight * tf.cast(counted, weight.dtype)
+    model._loss_tracker.update_state(loss, sample_weight=weight)

@@ -181,20 +181,27 @@ class TrainStepMixin:
             loss = _keras_compat.compute_loss(
                 self, x, y, y_pred, sample_weight, training=True
             )
-            _keras_compat.track_loss(self, loss, x)
+            scaled_loss = loss
             if self.optimizer is not None:
-                loss = self.optimizer.scale_loss(loss)
+                scaled_loss = self.optimizer.scale_loss(loss)
 
         variables = self.trainable_variables
+        finite = None
         if variables:
             self._warn_about_optimizer_clipping()
-            self._run_gradient_pipeline(tape, loss, variables)
+            finite = self._run_gradient_pipeline(tape, scaled_loss, variables)
         else:
             warnings.warn("The model does not have any trainable weights.")
+        # A skipped step does not count towards the epoch's mean loss.
+        counted = finite if self.skip_nonfinite else None
+        _keras_compat.track_loss(self, loss, x, counted=counted)
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def _run_gradient_pipeline(self, tape, scaled_loss, variables):
-        """compute -> transform -> apply, with the non-finite check."""
+        """compute -> transform -> apply, with the non-finite check.
+
+        Returns the boolean tensor `finite`, or `None` when not checked.
+        """
         gradients = self.compute_gradients(tape, scaled_loss, variables)
         check = self.skip_nonfinite or isinstance(
             self.optimizer, keras.optimizers.LossScaleOptimizer
@@ -206,6 +213,7 @@ class TrainStepMixin:
         self.apply_gradients(gradients, variables, finite=finite)
         if self.skip_nonfinite:
             self._record_skipped_step(tf.logical_not(finite))
+        return finite
 
     def _record_skipped_step(self, skipped):
         """Counts a skipped step in the metric and the consecutive counter."""

@@ -8,21 +8,6 @@ from custom_fit import clipping
 from tests import testing
 
 
-def numpy_adaptive_clip(grad, weight, clipping_ratio, eps):
-    """AGC written from the paper's definition, independent of the code."""
-    grad = np.asarray(grad, np.float64)
-    weight = np.asarray(weight, np.float64)
-    if grad.ndim <= 1:
-        axes, keep = None, False
-    else:
-        axes, keep = tuple(range(grad.ndim - 1)), True
-    g_norm = np.sqrt(np.sum(grad**2, axis=axes, keepdims=keep))
-    w_norm = np.maximum(np.sqrt(np.sum(weight**2, axis=axes, keepdims=keep)), eps)
-    max_norm = clipping_ratio * w_norm
-    factor = np.where(g_norm > max_norm, max_norm / np.maximum(g_norm, 1e-6), 1.0)
-    return grad * factor
-
-
 def dense(gradient):
     """Returns the dense NumPy array of a tensor or IndexedSlices."""
     return tf.convert_to_tensor(gradient).numpy()
@@ -106,7 +91,7 @@ class ClippingTest(testing.TestCase):
         (clipped,) = clipping.adaptive_clip(
             [tf.constant(grad)], [tf.constant(weight)], clipping=0.1, eps=1e-3
         )
-        expected = numpy_adaptive_clip(grad, weight, 0.1, 1e-3)
+        expected = testing.numpy_adaptive_clip(grad, weight, 0.1, 1e-3)
         self.assertAllClose(clipped, expected, rtol=1e-5, atol=1e-7)
 
     def test_adaptive_clip_zero_weights_uses_eps(self):

@@ -98,3 +98,18 @@ def tape_gradients(model, x, y, loss_fn):
             loss = loss + tf.add_n(model.losses)
     grads = tape.gradient(loss, model.trainable_variables)
     return [tf.convert_to_tensor(g).numpy() for g in grads]
+
+
+def numpy_adaptive_clip(grad, weight, clipping_ratio, eps):
+    """AGC written from the paper's definition, independent of the code."""
+    grad = np.asarray(grad, np.float64)
+    weight = np.asarray(weight, np.float64)
+    if grad.ndim <= 1:
+        axes, keep = None, False
+    else:
+        axes, keep = tuple(range(grad.ndim - 1)), True
+    g_norm = np.sqrt(np.sum(grad**2, axis=axes, keepdims=keep))
+    w_norm = np.maximum(np.sqrt(np.sum(weight**2, axis=axes, keepdims=keep)), eps)
+    max_norm = clipping_ratio * w_norm
+    factor = np.where(g_norm > max_norm, max_norm / np.maximum(g_norm, 1e-6), 1.0)
+    return grad * factor

@@ -1,0 +1,254 @@
+"""GradientClippingMixin against Keras' optimizer clipping and NumPy."""
+
+import warnings
+
+import keras
+import numpy as np
+import tensorflow as tf
+from absl.testing import parameterized
+
+import custom_fit
+from tests import testing
+
+
+class Net(custom_fit.GradientClippingMixin, keras.Model):
+    pass
+
+
+def one_step_sgd(model, x, y, learning_rate=0.5):
+    """Compiles with SGD and trains one full-batch step."""
+    model.compile(
+        optimizer=keras.optimizers.SGD(learning_rate),
+        loss=testing.sparse_crossentropy(),
+    )
+    model.fit(x, y, batch_size=len(x), epochs=1, verbose=0, shuffle=False)
+
+
+class ClippingEqualsKerasTest(testing.TestCase):
+    @parameterized.product(
+        argument=[("clipvalue", 0.01), ("clipnorm", 0.05), ("global_clipnorm", 0.05)],
+        optimizer=["sgd", "adam"],
+    )
+    def test_single_device_equals_keras_optimizer_clipping(
+        self, argument, optimizer
+    ):
+        """On one device, the mixin clips exactly like the optimizer."""
+        name, value = argument
+        x, y = testing.classification_data()
+        trained = []
+        for model_class, mixin_kwargs, optimizer_kwargs in (
+            (keras.Model, {}, {name: value}),
+            (Net, {name: value}, {}),
+        ):
+            model = testing.mlp(model_class, **mixin_kwargs)
+            model.compile(
+                optimizer=keras.optimizers.get(
+                    {
+                        "class_name": optimizer,
+                        "config": dict(learning_rate=0.1, **optimizer_kwargs),
+                    }
+                ),
+                loss=testing.sparse_crossentropy(),
+            )
+            model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
+            trained.append(model)
+        self.assertWeightsClose(trained[1], trained[0], atol=1e-6)
+        # The clipping was active: an unclipped run ends elsewhere.
+        unclipped = testing.mlp(keras.Model)
+        unclipped.compile(
+            optimizer=keras.optimizers.get(
+                {"class_name": optimizer, "config": {"learning_rate": 0.1}}
+            ),
+            loss=testing.sparse_crossentropy(),
+        )
+        unclipped.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
+        difference = max(
+            np.abs(a - b).max()
+            for a, b in zip(unclipped.get_weights(), trained[1].get_weights())
+        )
+        self.assertGreater(difference, 1e-3)
+
+
+class ClippingEqualsNumpyTest(testing.TestCase):
+    def test_layer_clipnorm_equals_numpy(self):
+        """Each layer's gradients are jointly clipped to layer_clipnorm."""
+        x, y = testing.classification_data()
+        model = testing.mlp(Net, layer_clipnorm=0.05)
+        before = model.get_weights()
+        grads = testing.tape_gradients(model, x, y, testing.sparse_crossentropy())
+        clipped = []
+        for layer_grads in (grads[:2], grads[2:]):
+            norm = np.sqrt(sum(np.sum(g.astype(np.float64) ** 2) for g in layer_grads))
+            clipped += [g * 0.05 / max(norm, 0.05) for g in layer_grads]
+        one_step_sgd(model, x, y)
+        self.assertAllClose(
+            model.get_weights(),
+            testing.weights_after_one_sgd_step(before, clipped, 0.5),
+            rtol=1e-5,
+        )
+
+    @parameterized.named_parameters(*testing.EXECUTION_MODES)
+    def test_adaptive_clipping_equals_numpy(self, mode):
+        """AGC of the mixin equals the NumPy definition on pre-step weights."""
+        x, y = testing.classification_data()
+        model = testing.mlp(Net, adaptive_clipping=0.02, adaptive_clipping_eps=1e-3)
+        before = model.get_weights()
+        grads = testing.tape_gradients(model, x, y, testing.sparse_crossentropy())
+        clipped = [
+            testing.numpy_adaptive_clip(g, w, 0.02, 1e-3)
+            for g, w in zip(grads, before)
+        ]
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.5),
+            loss=testing.sparse_crossentropy(),
+            **mode,
+        )
+        model.fit(x, y, batch_size=len(x), verbose=0)
+        self.assertAllClose(
+            model.get_weights(),
+            testing.weights_after_one_sgd_step(before, clipped, 0.5),
+            rtol=1e-5,
+            atol=1e-7,
+        )
+
+    @parameterized.named_parameters(
+        ("only_hidden", dict(clip_layers=["hidden"]), (True, False)),
+        ("all_but_output", dict(no_clip_layers=["output"]), (True, False)),
+        ("only_output", dict(clip_layers=["output"]), (False, True)),
+    )
+    def test_layer_selection(self, selection, clipped_layers):
+        """Only the selected layers are clipped; the others get raw SGD."""
+        x, y = testing.classification_data()
+        model = testing.mlp(Net, clipnorm=1e-3, **selection)
+        before = model.get_weights()
+        grads = testing.tape_gradients(model, x, y, testing.sparse_crossentropy())
+        expected_grads = []
+        for index, g in enumerate(grads):
+            if clipped_layers[index // 2]:
+                g = g * 1e-3 / max(np.linalg.norm(g), 1e-3)
+            expected_grads.append(g)
+        one_step_sgd(model, x, y)
+        self.assertAllClose(
+            model.get_weights(),
+            testing.weights_after_one_sgd_step(before, expected_grads, 0.5),
+            rtol=1e-5,
+            atol=1e-7,
+        )
+
+    def test_embedding_indexed_slices_clip_like_dense(self):
+        """An Embedding's sparse gradient, with repeated ids, is clipped by
+        the norm of its dense equivalent."""
+        inputs = keras.Input((5,), dtype="int32")
+        embedded = keras.layers.Embedding(
+            10, 4, name="embedding",
+            embeddings_initializer=keras.initializers.RandomNormal(seed=1),
+        )(inputs)
+        pooled = keras.layers.GlobalAveragePooling1D()(embedded)
+        outputs = keras.layers.Dense(
+            3, name="output",
+            kernel_initializer=keras.initializers.GlorotUniform(seed=2),
+        )(pooled)
+        model = Net(inputs, outputs, clipnorm=0.01, clip_layers=["embedding"])
+        rng = np.random.RandomState(0)
+        x = rng.randint(0, 4, size=(32, 5)).astype("int32")  # many repeats
+        y = rng.randint(0, 3, size=32)
+        before = model.get_weights()
+        with tf.GradientTape() as tape:
+            loss = testing.sparse_crossentropy()(y, model(x))
+        sparse_grad, kernel_grad, bias_grad = tape.gradient(
+            loss, model.trainable_variables
+        )
+        self.assertIsInstance(sparse_grad, tf.IndexedSlices)
+        dense_grad = tf.convert_to_tensor(sparse_grad).numpy()
+        clipped = dense_grad * 0.01 / max(np.linalg.norm(dense_grad), 0.01)
+        one_step_sgd(model, x, y)
+        self.assertAllClose(
+            model.get_weights(),
+            testing.weights_after_one_sgd_step(
+                before, [clipped, kernel_grad.numpy(), bias_grad.numpy()], 0.5
+            ),
+            rtol=1e-5,
+            atol=1e-7,
+        )
+
+
+class ClippingArgumentsTest(testing.TestCase):
+    @parameterized.product(
+        argument=[
+            "clipvalue", "clipnorm", "global_clipnorm", "layer_clipnorm",
+            "adaptive_clipping", "adaptive_clipping_eps",
+        ],
+        value=[0, -1, float("nan"), float("inf"), True, "1"],
+    )
+    def test_invalid_value_raises(self, argument, value):
+        """0, negative, NaN, inf, bool and str are refused by name."""
+        with self.assertRaisesRegex(
+            ValueError, f"Received: {argument}={value!r}"
+        ):
+            testing.mlp(Net, **{argument: value})
+
+    def test_options_are_attributes_and_config(self):
+        """Every keyword is a read-only attribute and is in get_config()."""
+        model = testing.mlp(
+            Net, clipnorm=2, global_clipnorm=1.5, no_clip_layers=["output"]
+        )
+        self.assertEqual(model.clipnorm, 2.0)
+        self.assertEqual(model.no_clip_layers, ("output",))
+        self.assertIsNone(model.clipvalue)
+        config = model.get_config()
+        for name in (
+            "clipvalue", "clipnorm", "global_clipnorm", "layer_clipnorm",
+            "adaptive_clipping", "adaptive_clipping_eps", "clip_layers",
+            "no_clip_layers", "skip_nonfinite", "max_consecutive_skipped_steps",
+        ):
+            self.assertEqual(config[name], getattr(model, name))
+        with self.assertRaisesRegex(AttributeError, "clipnorm"):
+            model.clipnorm = 3.0
+
+    def test_positional_and_keyword_functional_construction(self):
+        """Net(inputs, outputs, ...) and Net(inputs=..., outputs=...)."""
+        inputs = keras.Input((4,))
+        outputs = keras.layers.Dense(2)(inputs)
+        by_position = Net(inputs, outputs, clipnorm=1.0)
+        by_keyword = Net(inputs=inputs, outputs=outputs, clipnorm=1.0)
+        self.assertEqual(by_position.clipnorm, by_keyword.clipnorm)
+
+    def test_clip_layers_and_no_clip_layers_exclusive(self):
+        """Both selections at once are refused, listing both values."""
+        with self.assertRaisesRegex(
+            ValueError, r"clip_layers=\['hidden'\], no_clip_layers=\['output'\]"
+        ):
+            testing.mlp(
+                Net, clipnorm=1.0, clip_layers=["hidden"],
+                no_clip_layers=["output"],
+            )
+
+    def test_bare_string_layer_list_raises(self):
+        """A bare string is refused with the list form as the fix."""
+        with self.assertRaisesRegex(ValueError, r"clip_layers='hidden'"):
+            testing.mlp(Net, clipnorm=1.0, clip_layers="hidden")
+
+    def test_unknown_layer_name_raises_at_fit(self):
+        """A name missing from model.layers is refused, listing the names."""
+        model = testing.mlp(Net, clipnorm=1.0, clip_layers=["hiden"])
+        model.compile(optimizer="sgd", loss=testing.sparse_crossentropy())
+        x, y = testing.classification_data(samples=8)
+        with self.assertRaisesRegex(ValueError, r"\['hiden'\].*'hidden'"):
+            model.fit(x, y, verbose=0)
+
+    def test_double_clipping_warns_once(self):
+        """A clipping optimizer plus the mixin warns once, naming both."""
+        model = testing.mlp(Net, global_clipnorm=1.0)
+        model.compile(
+            optimizer=keras.optimizers.SGD(clipnorm=1.0),
+            loss=testing.sparse_crossentropy(),
+        )
+        x, y = testing.classification_data(samples=16)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.fit(x, y, batch_size=8, epochs=2, verbose=0)
+        messages = [str(w.message) for w in caught if "clips" in str(w.message)]
+        self.assertLen(messages, 1)
+        self.assertIn("clipnorm=1.0", messages[0])
+        self.assertIn("clipped twice", messages[0])
+        self.assertIn("each replica's share", messages[0])

@@ -1,0 +1,118 @@
+"""skip_nonfinite: a NaN step changes nothing; training goes on."""
+
+import keras
+import numpy as np
+from absl.testing import parameterized
+
+import custom_fit
+from tests import testing
+
+
+class Net(custom_fit.GradientClippingMixin, keras.Model):
+    pass
+
+
+def batches_with_nan(batch=8, batches=4, bad_batch=1):
+    """Returns `(x, y, x_clean, y_clean)`: data whose batch `bad_batch`
+    holds a NaN, and the same data without that batch."""
+    x, y = testing.classification_data(samples=batch * batches)
+    x[bad_batch * batch + 2, 1] = np.nan
+    keep = np.ones(len(x), bool)
+    keep[bad_batch * batch : (bad_batch + 1) * batch] = False
+    return x, y, x[keep], y[keep]
+
+
+def compiled(model, **compile_kwargs):
+    model.compile(
+        optimizer=keras.optimizers.Adam(0.05),
+        loss=testing.sparse_crossentropy(),
+        **compile_kwargs,
+    )
+    return model
+
+
+class SkipNonfiniteTest(testing.TestCase):
+    @parameterized.named_parameters(*testing.EXECUTION_MODES)
+    def test_nan_batch_equals_training_without_it(self, mode):
+        """Skipping a NaN batch leaves weights, Adam slots and the iteration
+        count as if the batch had never been there."""
+        x, y, x_clean, y_clean = batches_with_nan()
+        model = compiled(
+            testing.mlp(Net, skip_nonfinite=True, global_clipnorm=10.0), **mode
+        )
+        history = model.fit(x, y, batch_size=8, verbose=0, shuffle=False)
+        oracle = compiled(testing.mlp(keras.Model))
+        oracle.fit(x_clean, y_clean, batch_size=8, verbose=0, shuffle=False)
+        self.assertAllClose(model.get_weights(), oracle.get_weights(), rtol=1e-5)
+        self.assertAllClose(
+            [v.numpy() for v in model.optimizer.variables],
+            [v.numpy() for v in oracle.optimizer.variables],
+            rtol=1e-5,
+        )
+        self.assertEqual(history.history["skipped_steps"], [1.0])
+        # The skipped batch is left out of the epoch's mean loss.
+        self.assertAllClose(
+            history.history["loss"],
+            oracle.history.history["loss"],
+            rtol=1e-5,
+        )
+
+    def test_without_skip_nan_reaches_weights(self):
+        """The oracle can fail: without skip_nonfinite the NaN is applied."""
+        x, y, _, _ = batches_with_nan()
+        model = compiled(testing.mlp(Net))
+        model.fit(x, y, batch_size=8, verbose=0, shuffle=False)
+        self.assertTrue(np.isnan(model.get_weights()[0]).any())
+
+    def test_skipped_steps_reset_each_epoch(self):
+        """skipped_steps counts per epoch; it is not in validation logs."""
+        x, y, _, _ = batches_with_nan()
+        model = compiled(testing.mlp(Net, skip_nonfinite=True))
+        history = model.fit(
+            x, y, batch_size=8, epochs=2, verbose=0, shuffle=False,
+            validation_data=(x[:8], y[:8]),
+        )
+        self.assertEqual(history.history["skipped_steps"], [1.0, 1.0])
+        self.assertNotIn("val_skipped_steps", history.history)
+        self.assertNotIn(
+            "skipped_steps", model.evaluate(x[:8], y[:8], return_dict=True, verbose=0)
+        )
+
+    @parameterized.named_parameters(
+        ("per_step", 1), ("steps_per_execution", 4)
+    )
+    def test_consecutive_limit_stops_training(self, steps_per_execution):
+        """More consecutive skipped steps than the limit raise an error."""
+        x, y = testing.classification_data(samples=80)
+        x[:48] = np.nan  # six NaN batches, then four good ones
+        model = compiled(
+            testing.mlp(Net, skip_nonfinite=True, max_consecutive_skipped_steps=5),
+            steps_per_execution=steps_per_execution,
+        )
+        with self.assertRaisesRegex(
+            RuntimeError, "6 consecutive training steps.*max_consecutive_skipped_steps=5"
+        ):
+            model.fit(x, y, batch_size=8, verbose=0, shuffle=False)
+
+    def test_limit_not_reached_trains_on(self):
+        """Skips below the limit do not stop training."""
+        x, y = testing.classification_data(samples=80)
+        x[:40] = np.nan
+        model = compiled(
+            testing.mlp(Net, skip_nonfinite=True, max_consecutive_skipped_steps=5)
+        )
+        history = model.fit(x, y, batch_size=8, verbose=0, shuffle=False)
+        self.assertEqual(history.history["skipped_steps"], [5.0])
+        self.assertTrue(all(np.isfinite(w).all() for w in model.get_weights()))
+
+    @parameterized.named_parameters(
+        ("string", "skip_nonfinite", "yes", "Received: skip_nonfinite='yes'"),
+        ("zero_limit", "max_consecutive_skipped_steps", 0,
+         "Received: max_consecutive_skipped_steps=0"),
+        ("float_limit", "max_consecutive_skipped_steps", 2.5,
+         "Received: max_consecutive_skipped_steps=2.5"),
+    )
+    def test_invalid_arguments_raise(self, name, value, message):
+        """Bad values are refused at construction, naming the argument."""
+        with self.assertRaisesRegex(ValueError, message):
+            testing.mlp(Net, **{name: value})

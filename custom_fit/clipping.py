@@ -37,15 +37,12 @@ def global_norm(gradients):
         every non-`None` gradient (0.0 when there are none).
 
     Example:
-
     ```python
     >>> float(global_norm([tf.constant([3.0]), None, tf.constant([4.0])]))
     5.0
     ```
     """
-    squares = [
-        _gradient_ops.squared_sum(g) for g in gradients if g is not None
-    ]
+    squares = [_gradient_ops.squared_sum(g) for g in gradients if g is not None]
     if not squares:
         return tf.constant(0.0)
     return tf.sqrt(tf.add_n(squares))
@@ -61,7 +58,6 @@ def all_finite(gradients):
         A boolean scalar tensor, `True` when no entry is NaN or infinite.
 
     Example:
-
     ```python
     >>> bool(all_finite([tf.constant([1.0, float("nan")])]))
     False
@@ -86,7 +82,6 @@ def clip_by_value(gradients, clipvalue):
         The list of clipped gradients.
 
     Example:
-
     ```python
     >>> clip_by_value([tf.constant([-3.0, 0.5])], 1.0)[0].numpy()
     array([-1. ,  0.5], dtype=float32)
@@ -126,7 +121,6 @@ def clip_by_norm(gradients, clipnorm):
         The list of clipped gradients.
 
     Example:
-
     ```python
     >>> clip_by_norm([tf.constant([3.0, 4.0])], 1.0)[0].numpy()
     array([0.6, 0.8], dtype=float32)
@@ -160,7 +154,6 @@ def clip_by_global_norm(gradients, global_clipnorm):
         The list of clipped gradients.
 
     Example:
-
     ```python
     >>> grads = clip_by_global_norm([tf.constant([3.0]), tf.constant([4.0])],
     ...                             1.0)
@@ -176,7 +169,7 @@ def clip_by_global_norm(gradients, global_clipnorm):
 
 
 def clip_by_group_norm(gradients, groups, clipnorm):
-    """Rescales each group of gradients jointly to an L2 norm of at most a bound.
+    """Rescales each group of gradients jointly to a bounded L2 norm.
 
     `GradientClippingMixin(layer_clipnorm=...)` uses this with one group per
     layer: all of a layer's gradients (kernel and bias) share one factor, so
@@ -196,7 +189,6 @@ def clip_by_group_norm(gradients, groups, clipnorm):
         ValueError: If `groups` and `gradients` differ in length.
 
     Example:
-
     ```python
     >>> grads = clip_by_group_norm(
     ...     [tf.constant([3.0]), tf.constant([4.0]), tf.constant([9.0])],
@@ -239,7 +231,6 @@ def unit_norms(tensor):
         A float32 tensor broadcastable against `tensor`.
 
     Example:
-
     ```python
     >>> unit_norms(tf.constant([[3.0, 0.0], [4.0, 1.0]])).numpy()
     array([[5., 1.]], dtype=float32)
@@ -279,7 +270,6 @@ def adaptive_clip(gradients, variables, clipping, eps=1e-3):
         ValueError: If `variables` and `gradients` differ in length.
 
     Example:
-
     ```python
     >>> w = tf.constant([[3.0], [4.0]])   # unit norm 5
     >>> g = tf.constant([[1.0], [0.0]])   # unit norm 1 > 0.1 * 5
@@ -360,7 +350,6 @@ def clip(
         The list of clipped gradients.
 
     Example:
-
     ```python
     >>> grads = clip([tf.constant([30.0, -4.0])], clipvalue=3.0,
     ...              global_clipnorm=1.0)

@@ -58,7 +58,6 @@ class GradientClippingMixin(TrainStepMixin):
     optimizer also clips, a warning is emitted once.
 
     Example:
-
     ```python
     class Net(custom_fit.GradientClippingMixin, keras.Model):
         pass
@@ -81,9 +80,7 @@ class GradientClippingMixin(TrainStepMixin):
 
     clipvalue = _options.Option(None, _validation.positive_float_or_none)
     clipnorm = _options.Option(None, _validation.positive_float_or_none)
-    global_clipnorm = _options.Option(
-        None, _validation.positive_float_or_none
-    )
+    global_clipnorm = _options.Option(None, _validation.positive_float_or_none)
     layer_clipnorm = _options.Option(None, _validation.positive_float_or_none)
     adaptive_clipping = _options.Option(
         None, _validation.positive_float_or_none
@@ -93,8 +90,7 @@ class GradientClippingMixin(TrainStepMixin):
     no_clip_layers = _options.Option(None, _validation.layer_names_or_none)
 
     def _configure_options(self, options):
-        """Adds the check that `clip_layers` and `no_clip_layers` exclude
-        each other."""
+        """Adds a check: `clip_layers` and `no_clip_layers` are exclusive."""
         super()._configure_options(options)
         if self.clip_layers is not None and self.no_clip_layers is not None:
             raise ValueError(
@@ -106,7 +102,9 @@ class GradientClippingMixin(TrainStepMixin):
 
     def _clips_gradients(self):
         """Returns whether any clipping option is set."""
-        return any(getattr(self, name) is not None for name in _CLIPPING_OPTIONS)
+        return any(
+            getattr(self, name) is not None for name in _CLIPPING_OPTIONS
+        )
 
     def transform_gradients(self, gradients, variables):
         """Clips the selected gradients, then calls `super()`.

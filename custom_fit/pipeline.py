@@ -67,8 +67,11 @@ def replica_count():
 
 
 def _multiply(gradients, variables, factor):
-    """Multiplies each gradient by `factor`, except for variables that Keras
-    overwrites with their gradient (float8 scales), which it never scales."""
+    """Multiplies each gradient by `factor`.
+
+    Variables that Keras overwrites with their gradient (float8 scales) are
+    left alone, as Keras never scales them.
+    """
     return [
         g
         if g is None or getattr(v, "overwrite_with_gradient", False)

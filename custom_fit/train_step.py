@@ -59,7 +59,6 @@ class TrainStepMixin:
             steps). Defaults to 20; `None` for no limit.
 
     Example:
-
     ```python
     class Net(custom_fit.TrainStepMixin, keras.Model):
         def transform_gradients(self, gradients, variables):
@@ -191,14 +190,16 @@ class TrainStepMixin:
             self._warn_about_optimizer_clipping()
             finite = self._run_gradient_pipeline(tape, scaled_loss, variables)
         else:
-            warnings.warn("The model does not have any trainable weights.")
+            warnings.warn(
+                "The model does not have any trainable weights.", stacklevel=2
+            )
         # A skipped step does not count towards the epoch's mean loss.
         counted = finite if self.skip_nonfinite else None
         _keras_compat.track_loss(self, loss, x, counted=counted)
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def _run_gradient_pipeline(self, tape, scaled_loss, variables):
-        """compute -> transform -> apply, with the non-finite check.
+        """Compute -> transform -> apply, with the non-finite check.
 
         Returns the boolean tensor `finite`, or `None` when not checked.
         """

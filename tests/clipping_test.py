@@ -42,7 +42,9 @@ class ClippingTest(testing.TestCase):
 
     def test_clip_by_value_hand_computed(self):
         """Entries are clipped to [-v, v]; None passes through."""
-        grads = clipping.clip_by_value([tf.constant([-3.0, 0.5, 2.0]), None], 1.0)
+        grads = clipping.clip_by_value(
+            [tf.constant([-3.0, 0.5, 2.0]), None], 1.0
+        )
         self.assertAllClose(grads[0], [-1.0, 0.5, 1.0])
         self.assertIsNone(grads[1])
 
@@ -60,7 +62,12 @@ class ClippingTest(testing.TestCase):
     def test_clip_by_group_norm_matches_numpy(self):
         """Each group is rescaled jointly; ungrouped gradients are kept."""
         rng = np.random.RandomState(1)
-        arrays = [rng.randn(3, 2) * 5, rng.randn(2) * 5, rng.randn(4), rng.randn(2)]
+        arrays = [
+            rng.randn(3, 2) * 5,
+            rng.randn(2) * 5,
+            rng.randn(4),
+            rng.randn(2),
+        ]
         groups = ["a", "a", "b", None]
         grads = clipping.clip_by_group_norm(
             [tf.constant(a, tf.float32) for a in arrays], groups, 1.0
@@ -85,8 +92,8 @@ class ClippingTest(testing.TestCase):
         """AGC equals a NumPy implementation of Brock et al.'s definition."""
         rng = np.random.RandomState(2)
         weight = np.asarray(rng.randn(*shape), "float32")
-        grad = np.asarray(rng.randn(*shape) * rng.choice([0.01, 10.0], size=shape),
-            "float32"
+        grad = np.asarray(
+            rng.randn(*shape) * rng.choice([0.01, 10.0], size=shape), "float32"
         )
         (clipped,) = clipping.adaptive_clip(
             [tf.constant(grad)], [tf.constant(weight)], clipping=0.1, eps=1e-3
@@ -164,13 +171,22 @@ class ClippingTest(testing.TestCase):
     def test_functions_work_under_xla(self):
         """The clip function compiles with jit_compile=True."""
         rng = np.random.RandomState(5)
-        grads = [tf.constant(rng.randn(3, 2), tf.float32), tf.constant([9.0, 1.0])]
+        grads = [
+            tf.constant(rng.randn(3, 2), tf.float32),
+            tf.constant([9.0, 1.0]),
+        ]
         weights = [tf.ones((3, 2)), tf.ones(2)]
 
         def run(g):
             return clipping.clip(
-                g, weights, ["a", "b"], adaptive_clipping=0.3, clipvalue=1.0,
-                clipnorm=1.0, group_clipnorm=1.0, global_clipnorm=1.0,
+                g,
+                weights,
+                ["a", "b"],
+                adaptive_clipping=0.3,
+                clipvalue=1.0,
+                clipnorm=1.0,
+                group_clipnorm=1.0,
+                global_clipnorm=1.0,
             )
 
         compiled = tf.function(run, jit_compile=True)

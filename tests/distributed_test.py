@@ -24,9 +24,7 @@ def train(model_class, strategy, optimizer_kwargs, x, y, **model_kwargs):
             optimizer=keras.optimizers.SGD(0.1, **optimizer_kwargs),
             loss=testing.sparse_crossentropy(),
         )
-    history = model.fit(
-        x, y, batch_size=16, epochs=2, verbose=0, shuffle=False
-    )
+    history = model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
     return model, history.history
 
 
@@ -47,9 +45,7 @@ class MirroredClippingTest(testing.TestCase):
         single, single_history = train(
             Net, default, {}, x, y, global_clipnorm=0.1
         )
-        two, two_history = train(
-            Net, mirrored(), {}, x, y, global_clipnorm=0.1
-        )
+        two, two_history = train(Net, mirrored(), {}, x, y, global_clipnorm=0.1)
         self.assertLessEqual(max_difference(single, two), 2e-6)
         self.assertAllClose(
             two_history["loss"], single_history["loss"], rtol=1e-5
@@ -58,7 +54,7 @@ class MirroredClippingTest(testing.TestCase):
         keras_single, _ = train(
             keras.Model, default, {"global_clipnorm": 0.1}, x, y
         )
-        with warnings_ignored():
+        with WarningsIgnored():
             keras_two, _ = train(
                 keras.Model, mirrored(), {"global_clipnorm": 0.1}, x, y
             )
@@ -70,7 +66,9 @@ class MirroredClippingTest(testing.TestCase):
         """Per-layer and adaptive clipping see the summed gradient too."""
         x, y = testing.classification_data()
         options = dict(layer_clipnorm=0.05, adaptive_clipping=0.05)
-        single, _ = train(Net, tf.distribute.get_strategy(), {}, x, y, **options)
+        single, _ = train(
+            Net, tf.distribute.get_strategy(), {}, x, y, **options
+        )
         two, _ = train(Net, mirrored(), {}, x, y, **options)
         self.assertLessEqual(max_difference(single, two), 2e-6)
 
@@ -104,12 +102,14 @@ class MirroredSkipNonfiniteTest(testing.TestCase):
         self.assertAllClose(model.get_weights(), weights, atol=0, rtol=0)
         self.assertAllClose(
             [v.numpy() for v in model.optimizer.variables],
-            optimizer_state, atol=0, rtol=0,
+            optimizer_state,
+            atol=0,
+            rtol=0,
         )
         self.assertEqual(history.history["skipped_steps"], [1.0])
 
 
-class warnings_ignored:
+class WarningsIgnored:
     """Context manager silencing the expected UserWarnings of plain Keras."""
 
     def __enter__(self):

@@ -26,7 +26,11 @@ def one_step_sgd(model, x, y, learning_rate=0.5):
 
 class ClippingEqualsKerasTest(testing.TestCase):
     @parameterized.product(
-        argument=[("clipvalue", 0.01), ("clipnorm", 0.05), ("global_clipnorm", 0.05)],
+        argument=[
+            ("clipvalue", 0.01),
+            ("clipnorm", 0.05),
+            ("global_clipnorm", 0.05),
+        ],
         optimizer=["sgd", "adam"],
     )
     def test_single_device_equals_keras_optimizer_clipping(
@@ -75,10 +79,14 @@ class ClippingEqualsNumpyTest(testing.TestCase):
         x, y = testing.classification_data()
         model = testing.mlp(Net, layer_clipnorm=0.05)
         before = model.get_weights()
-        grads = testing.tape_gradients(model, x, y, testing.sparse_crossentropy())
+        grads = testing.tape_gradients(
+            model, x, y, testing.sparse_crossentropy()
+        )
         clipped = []
         for layer_grads in (grads[:2], grads[2:]):
-            norm = np.sqrt(sum(np.sum(g.astype(np.float64) ** 2) for g in layer_grads))
+            norm = np.sqrt(
+                sum(np.sum(g.astype(np.float64) ** 2) for g in layer_grads)
+            )
             clipped += [g * 0.05 / max(norm, 0.05) for g in layer_grads]
         one_step_sgd(model, x, y)
         self.assertAllClose(
@@ -91,9 +99,13 @@ class ClippingEqualsNumpyTest(testing.TestCase):
     def test_adaptive_clipping_equals_numpy(self, mode):
         """AGC of the mixin equals the NumPy definition on pre-step weights."""
         x, y = testing.classification_data()
-        model = testing.mlp(Net, adaptive_clipping=0.02, adaptive_clipping_eps=1e-3)
+        model = testing.mlp(
+            Net, adaptive_clipping=0.02, adaptive_clipping_eps=1e-3
+        )
         before = model.get_weights()
-        grads = testing.tape_gradients(model, x, y, testing.sparse_crossentropy())
+        grads = testing.tape_gradients(
+            model, x, y, testing.sparse_crossentropy()
+        )
         clipped = [
             testing.numpy_adaptive_clip(g, w, 0.02, 1e-3)
             for g, w in zip(grads, before)
@@ -121,7 +133,9 @@ class ClippingEqualsNumpyTest(testing.TestCase):
         x, y = testing.classification_data()
         model = testing.mlp(Net, clipnorm=1e-3, **selection)
         before = model.get_weights()
-        grads = testing.tape_gradients(model, x, y, testing.sparse_crossentropy())
+        grads = testing.tape_gradients(
+            model, x, y, testing.sparse_crossentropy()
+        )
         expected_grads = []
         for index, g in enumerate(grads):
             if clipped_layers[index // 2]:
@@ -140,12 +154,15 @@ class ClippingEqualsNumpyTest(testing.TestCase):
         the norm of its dense equivalent."""
         inputs = keras.Input((5,), dtype="int32")
         embedded = keras.layers.Embedding(
-            10, 4, name="embedding",
+            10,
+            4,
+            name="embedding",
             embeddings_initializer=keras.initializers.RandomNormal(seed=1),
         )(inputs)
         pooled = keras.layers.GlobalAveragePooling1D()(embedded)
         outputs = keras.layers.Dense(
-            3, name="output",
+            3,
+            name="output",
             kernel_initializer=keras.initializers.GlorotUniform(seed=2),
         )(pooled)
         model = Net(inputs, outputs, clipnorm=0.01, clip_layers=["embedding"])
@@ -172,12 +189,19 @@ class ClippingEqualsNumpyTest(testing.TestCase):
         )
 
 
+NUMERIC_OPTIONS = (
+    "clipvalue",
+    "clipnorm",
+    "global_clipnorm",
+    "layer_clipnorm",
+    "adaptive_clipping",
+    "adaptive_clipping_eps",
+)
+
+
 class ClippingArgumentsTest(testing.TestCase):
     @parameterized.product(
-        argument=[
-            "clipvalue", "clipnorm", "global_clipnorm", "layer_clipnorm",
-            "adaptive_clipping", "adaptive_clipping_eps",
-        ],
+        argument=NUMERIC_OPTIONS,
         value=[0, -1, float("nan"), float("inf"), True, "1"],
     )
     def test_invalid_value_raises(self, argument, value):
@@ -196,10 +220,11 @@ class ClippingArgumentsTest(testing.TestCase):
         self.assertEqual(model.no_clip_layers, ("output",))
         self.assertIsNone(model.clipvalue)
         config = model.get_config()
-        for name in (
-            "clipvalue", "clipnorm", "global_clipnorm", "layer_clipnorm",
-            "adaptive_clipping", "adaptive_clipping_eps", "clip_layers",
-            "no_clip_layers", "skip_nonfinite", "max_consecutive_skipped_steps",
+        for name in NUMERIC_OPTIONS + (
+            "clip_layers",
+            "no_clip_layers",
+            "skip_nonfinite",
+            "max_consecutive_skipped_steps",
         ):
             self.assertEqual(config[name], getattr(model, name))
         with self.assertRaisesRegex(AttributeError, "clipnorm"):
@@ -219,7 +244,9 @@ class ClippingArgumentsTest(testing.TestCase):
             ValueError, r"clip_layers=\['hidden'\], no_clip_layers=\['output'\]"
         ):
             testing.mlp(
-                Net, clipnorm=1.0, clip_layers=["hidden"],
+                Net,
+                clipnorm=1.0,
+                clip_layers=["hidden"],
                 no_clip_layers=["output"],
             )
 

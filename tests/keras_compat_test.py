@@ -18,9 +18,7 @@ class KerasPrivatesTest(testing.TestCase):
 
     def test_loss_scale_optimizer_attributes(self):
         """The public LossScaleOptimizer attributes the pipeline reads."""
-        optimizer = keras.optimizers.LossScaleOptimizer(
-            keras.optimizers.SGD()
-        )
+        optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD())
         self.assertEqual(optimizer.initial_scale, 2.0**15)
         optimizer.build(testing.mlp().trainable_variables)
         self.assertEqual(float(optimizer.dynamic_scale.numpy()), 2.0**15)

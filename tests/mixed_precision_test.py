@@ -52,9 +52,7 @@ class MixedPrecisionTest(testing.TestCase):
 
         class Spy(Net):
             def transform_gradients(self, gradients, variables):
-                seen.append(
-                    [tf.cast(g, tf.float32).numpy() for g in gradients]
-                )
+                seen.append([tf.cast(g, tf.float32).numpy() for g in gradients])
                 return super().transform_gradients(gradients, variables)
 
         x, y = testing.classification_data(samples=16)
@@ -91,5 +89,7 @@ class MixedPrecisionTest(testing.TestCase):
         finally:
             keras.mixed_precision.set_global_policy("float32")
         self.assertAllClose(model.get_weights(), weights, atol=0, rtol=0)
-        self.assertEqual(float(model.optimizer.dynamic_scale.numpy()), scale / 2)
+        self.assertEqual(
+            float(model.optimizer.dynamic_scale.numpy()), scale / 2
+        )
         self.assertEqual(history.history["skipped_steps"], [1.0])

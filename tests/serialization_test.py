@@ -26,7 +26,9 @@ class SubclassedNet(custom_fit.GradientClippingMixin, keras.Model):
     def __init__(self, units=8, **kwargs):
         super().__init__(**kwargs)
         self.units = units
-        self.hidden = keras.layers.Dense(units, activation="relu", name="hidden")
+        self.hidden = keras.layers.Dense(
+            units, activation="relu", name="hidden"
+        )
         self.out = keras.layers.Dense(3, name="output")
 
     def call(self, x):

@@ -43,7 +43,9 @@ class SkipNonfiniteTest(testing.TestCase):
         history = model.fit(x, y, batch_size=8, verbose=0, shuffle=False)
         oracle = compiled(testing.mlp(keras.Model))
         oracle.fit(x_clean, y_clean, batch_size=8, verbose=0, shuffle=False)
-        self.assertAllClose(model.get_weights(), oracle.get_weights(), rtol=1e-5)
+        self.assertAllClose(
+            model.get_weights(), oracle.get_weights(), rtol=1e-5
+        )
         self.assertAllClose(
             [v.numpy() for v in model.optimizer.variables],
             [v.numpy() for v in oracle.optimizer.variables],
@@ -69,28 +71,35 @@ class SkipNonfiniteTest(testing.TestCase):
         x, y, _, _ = batches_with_nan()
         model = compiled(testing.mlp(Net, skip_nonfinite=True))
         history = model.fit(
-            x, y, batch_size=8, epochs=2, verbose=0, shuffle=False,
+            x,
+            y,
+            batch_size=8,
+            epochs=2,
+            verbose=0,
+            shuffle=False,
             validation_data=(x[:8], y[:8]),
         )
         self.assertEqual(history.history["skipped_steps"], [1.0, 1.0])
         self.assertNotIn("val_skipped_steps", history.history)
         self.assertNotIn(
-            "skipped_steps", model.evaluate(x[:8], y[:8], return_dict=True, verbose=0)
+            "skipped_steps",
+            model.evaluate(x[:8], y[:8], return_dict=True, verbose=0),
         )
 
-    @parameterized.named_parameters(
-        ("per_step", 1), ("steps_per_execution", 4)
-    )
+    @parameterized.named_parameters(("per_step", 1), ("steps_per_execution", 4))
     def test_consecutive_limit_stops_training(self, steps_per_execution):
         """More consecutive skipped steps than the limit raise an error."""
         x, y = testing.classification_data(samples=80)
         x[:48] = np.nan  # six NaN batches, then four good ones
         model = compiled(
-            testing.mlp(Net, skip_nonfinite=True, max_consecutive_skipped_steps=5),
+            testing.mlp(
+                Net, skip_nonfinite=True, max_consecutive_skipped_steps=5
+            ),
             steps_per_execution=steps_per_execution,
         )
         with self.assertRaisesRegex(
-            RuntimeError, "6 consecutive training steps.*max_consecutive_skipped_steps=5"
+            RuntimeError,
+            "6 consecutive training steps.*max_consecutive_skipped_steps=5",
         ):
             model.fit(x, y, batch_size=8, verbose=0, shuffle=False)
 
@@ -99,7 +108,9 @@ class SkipNonfiniteTest(testing.TestCase):
         x, y = testing.classification_data(samples=80)
         x[:40] = np.nan
         model = compiled(
-            testing.mlp(Net, skip_nonfinite=True, max_consecutive_skipped_steps=5)
+            testing.mlp(
+                Net, skip_nonfinite=True, max_consecutive_skipped_steps=5
+            )
         )
         history = model.fit(x, y, batch_size=8, verbose=0, shuffle=False)
         self.assertEqual(history.history["skipped_steps"], [5.0])
@@ -107,10 +118,18 @@ class SkipNonfiniteTest(testing.TestCase):
 
     @parameterized.named_parameters(
         ("string", "skip_nonfinite", "yes", "Received: skip_nonfinite='yes'"),
-        ("zero_limit", "max_consecutive_skipped_steps", 0,
-         "Received: max_consecutive_skipped_steps=0"),
-        ("float_limit", "max_consecutive_skipped_steps", 2.5,
-         "Received: max_consecutive_skipped_steps=2.5"),
+        (
+            "zero_limit",
+            "max_consecutive_skipped_steps",
+            0,
+            "Received: max_consecutive_skipped_steps=0",
+        ),
+        (
+            "float_limit",
+            "max_consecutive_skipped_steps",
+            2.5,
+            "Received: max_consecutive_skipped_steps=2.5",
+        ),
     )
     def test_invalid_arguments_raise(self, name, value, message):
         """Bad values are refused at construction, naming the argument."""

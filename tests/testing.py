@@ -31,7 +31,10 @@ class TestCase(parameterized.TestCase):
                 self.assertAllClose(a, e, atol=atol, rtol=rtol, msg=msg)
             return
         np.testing.assert_allclose(
-            np.asarray(actual), np.asarray(expected), atol=atol, rtol=rtol,
+            np.asarray(actual),
+            np.asarray(expected),
+            atol=atol,
+            rtol=rtol,
             err_msg=msg,
         )
 
@@ -109,7 +112,11 @@ def numpy_adaptive_clip(grad, weight, clipping_ratio, eps):
     else:
         axes, keep = tuple(range(grad.ndim - 1)), True
     g_norm = np.sqrt(np.sum(grad**2, axis=axes, keepdims=keep))
-    w_norm = np.maximum(np.sqrt(np.sum(weight**2, axis=axes, keepdims=keep)), eps)
+    w_norm = np.maximum(
+        np.sqrt(np.sum(weight**2, axis=axes, keepdims=keep)), eps
+    )
     max_norm = clipping_ratio * w_norm
-    factor = np.where(g_norm > max_norm, max_norm / np.maximum(g_norm, 1e-6), 1.0)
+    factor = np.where(
+        g_norm > max_norm, max_norm / np.maximum(g_norm, 1e-6), 1.0
+    )
     return grad * factor

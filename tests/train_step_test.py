@@ -47,7 +47,8 @@ def sequential_mlp(model_class):
         [
             keras.Input((4,)),
             keras.layers.Dense(
-                8, activation="relu",
+                8,
+                activation="relu",
                 kernel_initializer=keras.initializers.GlorotUniform(seed=3),
             ),
             keras.layers.Dense(
@@ -64,7 +65,8 @@ class PlainSubclassed(keras.Model):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.hidden = keras.layers.Dense(
-            8, activation="relu",
+            8,
+            activation="relu",
             kernel_initializer=keras.initializers.GlorotUniform(seed=5),
         )
         self.out = keras.layers.Dense(
@@ -116,7 +118,10 @@ class TrainStepParityTest(testing.TestCase):
                 **mode,
             ),
             dict(
-                x=x, y=y, batch_size=16, epochs=2,
+                x=x,
+                y=y,
+                batch_size=16,
+                epochs=2,
                 validation_data=(x[:16], y[:16]),
             ),
         )
@@ -171,15 +176,18 @@ class TrainStepParityTest(testing.TestCase):
         def two_heads(model_class):
             inputs = keras.Input((4,))
             hidden = keras.layers.Dense(
-                6, activation="tanh",
+                6,
+                activation="tanh",
                 kernel_initializer=keras.initializers.GlorotUniform(seed=7),
             )(inputs)
             label = keras.layers.Dense(
-                3, name="label",
+                3,
+                name="label",
                 kernel_initializer=keras.initializers.GlorotUniform(seed=8),
             )(hidden)
             value = keras.layers.Dense(
-                1, name="value",
+                1,
+                name="value",
                 kernel_initializer=keras.initializers.GlorotUniform(seed=9),
             )(hidden)
             return model_class(inputs, {"label": label, "value": value})
@@ -260,7 +268,11 @@ class HookOrderTest(testing.TestCase):
                 return super().forward_pass(x, training)
 
             def compute_loss(
-                self, x=None, y=None, y_pred=None, sample_weight=None,
+                self,
+                x=None,
+                y=None,
+                y_pred=None,
+                sample_weight=None,
                 training=True,
             ):
                 calls.append(("compute_loss", training))
@@ -286,7 +298,8 @@ class HookOrderTest(testing.TestCase):
 
         model = testing.mlp(Recorder)
         model.compile(
-            optimizer="sgd", loss=testing.sparse_crossentropy(),
+            optimizer="sgd",
+            loss=testing.sparse_crossentropy(),
             run_eagerly=True,
         )
         x, y = testing.classification_data(samples=8)
@@ -319,7 +332,9 @@ class HookOrderTest(testing.TestCase):
 
         class Spy(Net):
             def transform_gradients(self, gradients, variables):
-                seen.append([tf.convert_to_tensor(g).numpy() for g in gradients])
+                seen.append(
+                    [tf.convert_to_tensor(g).numpy() for g in gradients]
+                )
                 return super().transform_gradients(gradients, variables)
 
         model = testing.mlp(Spy)
@@ -328,7 +343,8 @@ class HookOrderTest(testing.TestCase):
             model, x, y, testing.sparse_crossentropy()
         )
         model.compile(
-            optimizer="sgd", loss=testing.sparse_crossentropy(),
+            optimizer="sgd",
+            loss=testing.sparse_crossentropy(),
             run_eagerly=True,
         )
         model.fit(x, y, batch_size=16, verbose=0)
@@ -356,5 +372,9 @@ class HookOrderTest(testing.TestCase):
         zeros = [tf.zeros(2)]
         add_first = testing.mlp(AddThenDouble)
         double_first = testing.mlp(DoubleThenAdd)
-        self.assertAllClose(add_first.transform_gradients(zeros, [None]), [[2.0, 2.0]])
-        self.assertAllClose(double_first.transform_gradients(zeros, [None]), [[1.0, 1.0]])
+        self.assertAllClose(
+            add_first.transform_gradients(zeros, [None]), [[2.0, 2.0]]
+        )
+        self.assertAllClose(
+            double_first.transform_gradients(zeros, [None]), [[1.0, 1.0]]
+        )

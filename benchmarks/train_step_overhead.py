@@ -124,7 +124,11 @@ def seconds_per_step(model, data, steps):
 
 
 def measure(workload, jit_compile, steps_per_execution):
-    """Returns {configuration: median ms/step} for one setting."""
+    """Returns {configuration: (median, min) ms/step} for one setting.
+
+    The order of the configurations rotates from round to round, so none of
+    them is always the first to run after another model.
+    """
     data = dataset(workload)
     models = {
         name: build(workload, name, jit_compile, steps_per_execution)
@@ -133,11 +137,16 @@ def measure(workload, jit_compile, steps_per_execution):
     for model in models.values():  # warm-up: tracing and compilation
         seconds_per_step(model, data, max(steps_per_execution, 16) * 2)
     steps = _STEPS.value or WORKLOADS[workload][3]
-    times = {name: [] for name in models}
-    for _ in range(_ROUNDS.value):
-        for name, model in models.items():
-            times[name].append(seconds_per_step(model, data, steps))
-    return {name: 1000 * statistics.median(t) for name, t in times.items()}
+    names = list(models)
+    times = {name: [] for name in names}
+    for round_index in range(_ROUNDS.value):
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
+            times[name].append(seconds_per_step(models[name], data, steps))
+    return {
+        name: (1000 * statistics.median(t), 1000 * min(t))
+        for name, t in times.items()
+    }
 
 
 def main(argv):
@@ -148,7 +157,10 @@ def main(argv):
         f" | {os.cpu_count()} cores | TensorFlow {tf.__version__}"
         f" | Keras {keras.__version__} | custom_fit {custom_fit.__version__}"
     )
-    print(f"# rounds={_ROUNDS.value}, median ms/step (ratio to keras)\n")
+    print(
+        f"# rounds={_ROUNDS.value}: median ms/step (median ratio to keras; "
+        "ratio of the fastest rounds)\n"
+    )
     header = "| workload | jit | spe | " + " | ".join(CONFIGURATIONS) + " |"
     print(header)
     print("|" + "---|" * (3 + len(CONFIGURATIONS)))
@@ -156,15 +168,14 @@ def main(argv):
         for jit in _JIT.value:
             for spe in _STEPS_PER_EXECUTION.value:
                 result = measure(workload, jit == "true", int(spe))
-                base = result["keras"]
+                base_median, base_min = result["keras"]
                 cells = [
-                    f"{ms:.3f} ms ({ms / base:.2f}x)" for ms in result.values()
+                    f"{median:.3f} ms ({median / base_median:.2f}x; "
+                    f"min {minimum / base_min:.2f}x)"
+                    for median, minimum in result.values()
                 ]
-                print(
-                    f"| {workload} | {jit} | {spe} | "
-                    + " | ".join(cells)
-                    + " |"
-                )
+                row = f"| {workload} | {jit} | {spe} | " + " | ".join(cells)
+                print(row + " |", flush=True)
 
 
 if __name__ == "__main__":

@@ -32,4 +32,4 @@ class BenchmarkSmokeTest(testing.TestCase):
             line for line in result.stdout.splitlines() if "| mlp |" in line
         ]
         self.assertLen(rows, 1)
-        self.assertIn("(1.00x)", rows[0])
+        self.assertIn("(1.00x; min 1.00x)", rows[0])

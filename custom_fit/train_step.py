@@ -86,8 +86,14 @@ class TrainStepMixin:
         """Validates and stores `options`, then creates the state they need."""
         _options.store_options(self, options)
         self._warned_about = set()
-        if self.skip_nonfinite and not hasattr(self, "_skipped_steps"):
-            self._skipped_steps = keras.metrics.Sum(name="skipped_steps")
+        if "_step_metrics" not in self.__dict__:
+            # Kept out of Keras' attribute tracking, which refuses new state
+            # on a built model; `metrics` below lists them instead.
+            self.__dict__["_step_metrics"] = {}
+            self.__dict__["_step_metrics_reported"] = set()
+        if self.skip_nonfinite and not hasattr(
+            self, "_consecutive_skipped_steps"
+        ):
             self._consecutive_skipped_steps = tf.Variable(
                 0,
                 dtype=tf.int64,
@@ -175,6 +181,7 @@ class TrainStepMixin:
             A dict of metric results, as `keras.Model.train_step` returns.
         """
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        self._step_metrics_reported.clear()
         with tf.GradientTape() as tape:
             y_pred = self.forward_pass(x, training=True)
             loss = _keras_compat.compute_loss(
@@ -196,7 +203,8 @@ class TrainStepMixin:
         # A skipped step does not count towards the epoch's mean loss.
         counted = finite if self.skip_nonfinite else None
         _keras_compat.track_loss(self, loss, x, counted=counted)
-        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        return self._without_unreported_step_metrics(logs)
 
     def _run_gradient_pipeline(self, tape, scaled_loss, variables):
         """Compute -> transform -> apply, with the non-finite check.
@@ -218,11 +226,8 @@ class TrainStepMixin:
 
     def _record_skipped_step(self, skipped):
         """Counts a skipped step in the metric and the consecutive counter."""
-        context = tf.distribute.get_replica_context()
-        first_replica = tf.equal(context.replica_id_in_sync_group, 0)
-        # Sum metrics add up every replica's update: count on one replica.
-        self._skipped_steps.update_state(
-            tf.cast(tf.logical_and(skipped, first_replica), tf.float32)
+        self.report_metric(
+            "skipped_steps", tf.cast(skipped, tf.float32), reduction="sum"
         )
         count = self._consecutive_skipped_steps
         limit = self.max_consecutive_skipped_steps
@@ -240,25 +245,116 @@ class TrainStepMixin:
             data: A batch, as produced by the data adapter of `evaluate`.
 
         Returns:
-            A dict of metric results, without the training-only ones (such
-            as `skipped_steps`).
+            A dict of metric results, without the metrics reported only in
+            training (such as `skipped_steps`).
         """
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        self._step_metrics_reported.clear()
         y_pred = self.forward_pass(x, training=False)
         loss = _keras_compat.compute_loss(
             self, x, y, y_pred, sample_weight, training=False
         )
         _keras_compat.track_loss(self, loss, x)
         logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-        return {
-            name: value
-            for name, value in logs.items()
-            if name not in self._train_only_metric_names()
-        }
+        return self._without_unreported_step_metrics(logs)
 
-    def _train_only_metric_names(self):
-        """Returns the names of metrics that `test_step` leaves out."""
-        return {"skipped_steps"} if self.skip_nonfinite else set()
+    # Metrics reported from inside the step.
+
+    def report_metric(self, name, value, sample_weight=None, reduction="mean"):
+        """Reports a named scalar from inside a step as a Keras metric.
+
+        Call it from any hook of `train_step` or `test_step` (or from
+        `compute_loss`). The metric is created on first use, updated at every
+        step, appears in the progress bar and in `History` (as
+        `val_<name>` when also reported in `test_step`), and is reset, like
+        every Keras metric, at the start of each epoch and of each
+        `evaluate()`. A metric reported only in `train_step` does not appear
+        in validation logs, and the other way round.
+
+        Args:
+            name: String. The log key.
+            value: Scalar tensor. This step's value.
+            sample_weight: Optional scalar weight of this step's value in the
+                epoch mean (Keras weights the loss by the batch size).
+            reduction: `"mean"` (weighted running mean over the epoch, each
+                replica's value counted with its weight) or `"sum"` (total
+                over the epoch's steps; under `tf.distribute` the value must
+                be the same on every replica, and is counted once).
+
+        Raises:
+            ValueError: If `reduction` is not one of `"mean"` and `"sum"`, if
+                `name` is already the name of another metric of the model,
+                or if `value` is not a scalar.
+
+        Example:
+
+        ```python
+        class Net(custom_fit.TrainStepMixin, keras.Model):
+            def compute_loss(self, x, y, y_pred, sample_weight=None,
+                             training=True):
+                loss = super().compute_loss(
+                    x, y, y_pred, sample_weight, training=training)
+                self.report_metric("prediction_mean", ops.mean(y_pred))
+                return loss
+        ```
+        """
+        metric = self._step_metric(name, reduction)
+        value = tf.convert_to_tensor(value)
+        if value.shape.rank != 0:
+            raise ValueError(
+                f"`report_metric` needs a scalar value. Received: "
+                f"name={name!r} with a value of shape {value.shape}. Reduce "
+                "it to a scalar first (for instance with `ops.mean`)."
+            )
+        value = tf.cast(value, tf.float32)
+        if reduction == "sum":
+            # A Sum metric adds every replica's update: count on one only.
+            context = tf.distribute.get_replica_context()
+            if context is not None and context.num_replicas_in_sync > 1:
+                first = tf.equal(context.replica_id_in_sync_group, 0)
+                value = value * tf.cast(first, value.dtype)
+        metric.update_state(value, sample_weight=sample_weight)
+        self._step_metrics_reported.add(name)
+
+    @property
+    def metrics(self):
+        """The model's metrics, then those created by `report_metric`."""
+        return super().metrics + list(self._step_metrics.values())
+
+    def _step_metric(self, name, reduction):
+        """Returns the metric behind `name`, creating it on first use."""
+        if reduction not in _REDUCTIONS:
+            raise ValueError(
+                f"`reduction` must be one of {_REDUCTIONS}. Received: "
+                f"reduction={reduction!r} for the metric {name!r}. Pass one "
+                "of the allowed values."
+            )
+        metric = self._step_metrics.get(name)
+        if metric is None:
+            if name in self.metrics_names:
+                raise ValueError(
+                    f"The model already has a metric named {name!r}. "
+                    f"Received: name={name!r}. Report it under another name."
+                )
+            metric_class = (
+                keras.metrics.Mean if reduction == "mean" else keras.metrics.Sum
+            )
+            # Lift the variables out of the traced step; they are created once.
+            with tf.init_scope():
+                metric = metric_class(name=name)
+            self._step_metrics[name] = metric
+        elif not isinstance(metric, _METRIC_CLASSES[reduction]):
+            raise ValueError(
+                f"The metric {name!r} was first reported with another "
+                f"reduction. Received: reduction={reduction!r}. Use one "
+                "reduction per name."
+            )
+        return metric
+
+    def _without_unreported_step_metrics(self, logs):
+        """Drops step metrics that the current step did not report."""
+        unreported = set(self._step_metrics) - self._step_metrics_reported
+        return {k: v for k, v in logs.items() if k not in unreported}
 
     def make_train_function(self, force=False):
         """Builds the train function; adds the skipped-step limit check.
@@ -375,6 +471,10 @@ class TrainStepMixin:
         model = super().from_config(config, custom_objects=custom_objects)
         model._configure_options(options)
         return model
+
+
+_REDUCTIONS = ("mean", "sum")
+_METRIC_CLASSES = {"mean": keras.metrics.Mean, "sum": keras.metrics.Sum}
 
 
 def _format(arguments):

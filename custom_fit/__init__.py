@@ -6,14 +6,18 @@ overridable hooks, and the gradient math they use as pure functions.
 
 from custom_fit import clipping
 from custom_fit import pipeline
+from custom_fit import regularization
 from custom_fit.gradient_clipping import GradientClippingMixin
+from custom_fit.regularization_mixin import RegularizationMixin
 from custom_fit.train_step import TrainStepMixin
 
 __version__ = "0.1.0"
 
 __all__ = [
     "GradientClippingMixin",
+    "RegularizationMixin",
     "TrainStepMixin",
     "clipping",
     "pipeline",
+    "regularization",
 ]

@@ -43,6 +43,20 @@ def compute_loss(model, x, y, y_pred, sample_weight, training):
     )
 
 
+def batch_size(x, dtype):
+    """Returns the size of the batch `x` (its first input's first axis).
+
+    Args:
+        x: The inputs of a batch (a tensor or a nested structure).
+        dtype: The dtype of the result.
+
+    Returns:
+        A scalar tensor of `dtype`.
+    """
+    first_input = next(i for i in tf.nest.flatten(x) if i is not None)
+    return tf.cast(tf.shape(first_input)[0], dtype)
+
+
 def track_loss(model, loss, x, counted=None):
     """Updates the `loss` metric exactly as Keras' `train_step` does.
 
@@ -57,8 +71,7 @@ def track_loss(model, loss, x, counted=None):
         counted: Optional boolean scalar tensor; when `False` the batch
             is left out of the mean (a skipped step).
     """
-    first_input = next(i for i in tf.nest.flatten(x) if i is not None)
-    weight = tf.cast(tf.shape(first_input)[0], loss.dtype)
+    weight = batch_size(x, loss.dtype)
     loss = loss * tf.cast(pipeline.replica_count(), loss.dtype)
     if counted is not None:
         loss = tf.where(counted, loss, tf.zeros_like(loss))

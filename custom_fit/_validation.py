@@ -108,8 +108,8 @@ def boolean(name, value):
     return value
 
 
-def layer_names_or_none(name, value):
-    """Returns `value` as a tuple of layer names, or `None`.
+def names_or_none(name, value):
+    """Returns `value` as a tuple of names (layers, variables), or `None`.
 
     Args:
         name: String. The argument's name, used in the error message.
@@ -129,7 +129,29 @@ def layer_names_or_none(name, value):
     ):
         return tuple(value)
     raise ValueError(
-        f"`{name}` must be a list of layer names, or None. "
-        f"Received: {name}={value!r}. Pass for example "
-        f"{name}=['dense_1'] (a list, even for one layer)."
+        f"`{name}` must be a list of names, or None. "
+        f"Received: {name}={value!r}. Pass a list of strings, even for one "
+        f"name: for example {name}=['dense_1']."
     )
+
+
+def one_of(allowed):
+    """Returns a validator accepting only the strings in `allowed`.
+
+    Args:
+        allowed: Tuple of the allowed strings.
+
+    Returns:
+        A callable `(name, value) -> value` that raises `ValueError`, listing
+        `allowed`, for any other value.
+    """
+
+    def validate(name, value):
+        if value not in allowed:
+            raise ValueError(
+                f"`{name}` must be one of {allowed}. Received: "
+                f"{name}={value!r}. Pass one of the allowed values."
+            )
+        return value
+
+    return validate

@@ -86,8 +86,8 @@ class GradientClippingMixin(TrainStepMixin):
         None, _validation.positive_float_or_none
     )
     adaptive_clipping_eps = _options.Option(1e-3, _validation.positive_float)
-    clip_layers = _options.Option(None, _validation.layer_names_or_none)
-    no_clip_layers = _options.Option(None, _validation.layer_names_or_none)
+    clip_layers = _options.Option(None, _validation.names_or_none)
+    no_clip_layers = _options.Option(None, _validation.names_or_none)
 
     def _configure_options(self, options):
         """Adds a check: `clip_layers` and `no_clip_layers` are exclusive."""

@@ -12,11 +12,10 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
+import digits  # noqa: E402  (examples/digits.py)
 import keras  # noqa: E402
 from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
-from sklearn import datasets  # noqa: E402
-from sklearn import model_selection  # noqa: E402
 
 import custom_fit  # noqa: E402
 
@@ -33,16 +32,6 @@ class ClippedMLP(custom_fit.GradientClippingMixin, keras.Model):
     """A functional model whose true gradients are clipped."""
 
 
-def load_digits(seed):
-    """Returns `(x_train, y_train), (x_val, y_val)`, pixels in [0, 1]."""
-    digits = datasets.load_digits()
-    x = (digits.data / 16.0).astype("float32")
-    x_train, x_val, y_train, y_val = model_selection.train_test_split(
-        x, digits.target, test_size=0.2, random_state=seed
-    )
-    return (x_train, y_train), (x_val, y_val)
-
-
 def build_model(features, global_clipnorm):
     """Returns the seed MLP with global-norm clipping."""
     inputs = keras.Input(shape=(features,), name="digits")
@@ -56,7 +45,7 @@ def main(argv):
     """Trains the MLP and prints the final validation accuracy."""
     del argv
     keras.utils.set_random_seed(_SEED.value)
-    (x_train, y_train), (x_val, y_val) = load_digits(_SEED.value)
+    (x_train, y_train), (x_val, y_val) = digits.load_digits(_SEED.value)
     model = build_model(x_train.shape[1], _GLOBAL_CLIPNORM.value)
     model.compile(
         optimizer=keras.optimizers.Adam(_LEARNING_RATE.value),

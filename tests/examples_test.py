@@ -31,3 +31,16 @@ class ExamplesTest(testing.TestCase):
         match = re.search(r"validation accuracy: ([0-9.]+)", output)
         self.assertIsNotNone(match, output)
         self.assertGreater(float(match.group(1)), 0.6)
+
+    def test_activity_regularization_logs_each_component(self):
+        """Every loss component and its val_ twin is printed."""
+        output = run_example("activity_regularization", "--epochs=1")
+        for name in (
+            "data_loss",
+            "regularization_loss",
+            "l2_penalty",
+            "logit_penalty",
+            "val_data_loss",
+            "val_logit_penalty",
+        ):
+            self.assertRegex(output, f"(?m)^{name}: [0-9.]+$")

@@ -1,0 +1,166 @@
+"""Regularization penalties as pure functions returning scalar tensors.
+
+```python
+penalty = custom_fit.regularization.l2_penalty(
+    custom_fit.regularization.select_variables(model.trainable_variables),
+    1e-4,
+)
+```
+"""
+
+import tensorflow as tf
+
+# Variable names penalized by default: weight matrices, not biases or
+# normalization scales and offsets.
+DEFAULT_PENALIZED_NAMES = ("kernel", "embeddings", "depthwise_kernel")
+INPUT_GRADIENT_FORMS = ("squared_norm", "wgan_gp")
+
+# Added under the square root of the WGAN-GP norm: the gradient of the norm
+# at zero is otherwise infinite.
+_NORM_EPSILON = 1e-12
+
+
+def variable_name(variable):
+    """Returns the last component of a variable's path ("kernel", "bias").
+
+    Args:
+        variable: A Keras or TensorFlow variable.
+
+    Returns:
+        String.
+
+    Example:
+
+    ```python
+    >>> layer = keras.layers.Dense(2)
+    >>> layer.build((None, 3))
+    >>> [variable_name(v) for v in layer.weights]
+    ['kernel', 'bias']
+    ```
+    """
+    path = getattr(variable, "path", None) or variable.name
+    return path.split("/")[-1].split(":")[0]
+
+
+def select_variables(variables, names=DEFAULT_PENALIZED_NAMES):
+    """Returns the variables whose name (last path component) is in `names`.
+
+    Args:
+        variables: List of variables, e.g. `model.trainable_variables`.
+        names: Collection of variable names. Defaults to weight matrices
+            (`kernel`, `embeddings`, `depthwise_kernel`): not biases, not
+            normalization `gamma`/`beta`.
+
+    Returns:
+        The selected variables, in order.
+
+    Example:
+
+    ```python
+    kernels = select_variables(model.trainable_variables)
+    everything_but_biases = [
+        v for v in model.trainable_variables if variable_name(v) != "bias"]
+    ```
+    """
+    return [v for v in variables if variable_name(v) in names]
+
+
+def l1_penalty(variables, l1):
+    """Returns `l1 * sum(|w|)` over `variables`, as `keras.regularizers.L1`.
+
+    Args:
+        variables: List of variables or tensors.
+        l1: Float. The penalty weight.
+
+    Returns:
+        A float32 scalar tensor (0.0 for an empty list).
+
+    Example:
+
+    ```python
+    >>> float(l1_penalty([tf.constant([1.0, -2.0])], 0.5))
+    1.5
+    ```
+    """
+    total = tf.constant(0.0)
+    for v in variables:
+        total += tf.reduce_sum(tf.abs(tf.cast(v, tf.float32)))
+    return l1 * total
+
+
+def l2_penalty(variables, l2):
+    """Returns `l2 * sum(w**2)` over `variables`, as `keras.regularizers.L2`.
+
+    Args:
+        variables: List of variables or tensors.
+        l2: Float. The penalty weight.
+
+    Returns:
+        A float32 scalar tensor (0.0 for an empty list).
+
+    Example:
+
+    ```python
+    >>> float(l2_penalty([tf.constant([1.0, -2.0])], 0.5))
+    2.5
+    ```
+    """
+    total = tf.constant(0.0)
+    for v in variables:
+        total += tf.reduce_sum(tf.square(tf.cast(v, tf.float32)))
+    return l2 * total
+
+
+def input_gradient_penalty(input_gradients, form="squared_norm"):
+    """Returns the mean over samples of a penalty on input gradients.
+
+    With `g_i` the gradient for sample `i` (all inputs together):
+
+    - `"squared_norm"`: `mean_i ||g_i||^2`, double backpropagation
+      (Drucker & LeCun, 1992);
+    - `"wgan_gp"`: `mean_i (||g_i|| - 1)^2`, the gradient penalty of
+      WGAN-GP (Gulrajani et al., 2017).
+
+    Args:
+        input_gradients: List of tensors whose first axis is the batch.
+        form: One of `"squared_norm"`, `"wgan_gp"`.
+
+    Returns:
+        A float32 scalar tensor.
+
+    Raises:
+        ValueError: If `form` is not one of the allowed values.
+
+    Example:
+
+    ```python
+    >>> g = [tf.constant([[3.0, 4.0], [0.0, 0.0]])]
+    >>> float(input_gradient_penalty(g))      # (25 + 0) / 2
+    12.5
+    >>> round(float(input_gradient_penalty(g, "wgan_gp")), 4)  # (16 + 1) / 2
+    8.5
+    ```
+
+    References:
+        - Drucker & LeCun, 1992, "Improving generalization performance using
+          double backpropagation", IEEE Trans. Neural Networks 3(6).
+        - [Gulrajani et al., 2017](https://arxiv.org/abs/1704.00028),
+          "Improved Training of Wasserstein GANs".
+    """
+    if form not in INPUT_GRADIENT_FORMS:
+        raise ValueError(
+            f"`form` must be one of {INPUT_GRADIENT_FORMS}. Received: "
+            f"form={form!r}. Pass one of the allowed values."
+        )
+    squared = tf.add_n([_per_sample_squared_norm(g) for g in input_gradients])
+    if form == "squared_norm":
+        return tf.reduce_mean(squared)
+    return tf.reduce_mean(tf.square(tf.sqrt(squared + _NORM_EPSILON) - 1.0))
+
+
+def _per_sample_squared_norm(gradient):
+    """Returns the squared L2 norm of each row (sample) of `gradient`."""
+    flat = tf.reshape(
+        tf.cast(gradient, tf.float32), [tf.shape(gradient)[0], -1]
+    )
+    return tf.reduce_sum(tf.square(flat), axis=1)

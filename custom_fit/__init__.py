@@ -4,10 +4,13 @@ Mixins that replace `train_step`/`test_step` with a pipeline of small,
 overridable hooks, and the gradient math they use as pure functions.
 """
 
+from custom_fit import callbacks
 from custom_fit import clipping
+from custom_fit import inspection
 from custom_fit import pipeline
 from custom_fit import regularization
 from custom_fit.gradient_clipping import GradientClippingMixin
+from custom_fit.gradient_inspection import GradientInspectionMixin
 from custom_fit.regularization_mixin import RegularizationMixin
 from custom_fit.train_step import TrainStepMixin
 
@@ -15,9 +18,12 @@ __version__ = "0.1.0"
 
 __all__ = [
     "GradientClippingMixin",
+    "GradientInspectionMixin",
     "RegularizationMixin",
     "TrainStepMixin",
+    "callbacks",
     "clipping",
+    "inspection",
     "pipeline",
     "regularization",
 ]

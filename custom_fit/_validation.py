@@ -155,3 +155,27 @@ def one_of(allowed):
         return value
 
     return validate
+
+
+def subset_of(allowed):
+    """Returns a validator accepting a list or tuple of strings in `allowed`.
+
+    Args:
+        allowed: Tuple of the allowed strings.
+
+    Returns:
+        A callable `(name, value) -> tuple` that raises `ValueError`, listing
+        `allowed`, for anything else.
+    """
+
+    def validate(name, value):
+        if isinstance(value, (list, tuple)) and all(
+            item in allowed for item in value
+        ):
+            return tuple(dict.fromkeys(value))
+        raise ValueError(
+            f"`{name}` must be a list of names from {allowed}. Received: "
+            f"{name}={value!r}. Pass for example {name}=[{allowed[0]!r}]."
+        )
+
+    return validate

@@ -152,16 +152,10 @@ class GradientClippingMixin(TrainStepMixin):
         return True
 
     def _owning_layer_names(self, variables):
-        """Returns, for each variable, the name of its entry in `self.layers`.
+        """Returns each variable's layer name; checks the selected names.
 
-        Variables that belong to no layer (created by the model itself) get
-        the model's name. Also checks that the names in `clip_layers` and
-        `no_clip_layers` exist, at trace time, when the layers are known.
+        The check runs at trace time, when the layers are known.
         """
-        owners = {}
-        for layer in self.layers:
-            for variable in layer.trainable_variables:
-                owners.setdefault(id(variable), layer.name)
         known = {layer.name for layer in self.layers} | {self.name}
         for argument in ("clip_layers", "no_clip_layers"):
             names = getattr(self, argument) or ()
@@ -172,4 +166,4 @@ class GradientClippingMixin(TrainStepMixin):
                     f"have: {unknown}. Received: {argument}={list(names)}. "
                     f"Use names from `model.layers`: {sorted(known)}."
                 )
-        return [owners.get(id(variable), self.name) for variable in variables]
+        return self.layer_names_of(variables)

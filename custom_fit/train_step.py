@@ -26,8 +26,9 @@ class TrainStepMixin:
         loss = self.compute_loss(x, y, y_pred, sample_weight, training=True)
         scaled_loss = self.optimizer.scale_loss(loss)
     gradients = self.compute_gradients(tape, scaled_loss, variables)
-    gradients = self.transform_gradients(gradients, variables)
-    self.apply_gradients(gradients, variables, finite)
+    transformed = self.transform_gradients(gradients, variables)
+    self.inspect_gradients(gradients, transformed, variables)
+    self.apply_gradients(transformed, variables, finite)
     return self.compute_metrics(x, y, y_pred, sample_weight)
     ```
 
@@ -169,6 +170,38 @@ class TrainStepMixin:
             self.optimizer, gradients, variables, finite=finite
         )
 
+    def inspect_gradients(self, gradients, transformed_gradients, variables):
+        """Looks at the gradients. Runs after `transform_gradients`.
+
+        Called before `apply_gradients`, whatever the order of the mixins,
+        with both the true gradients (not loss-scaled, summed across
+        replicas, not yet transformed) and the transformed ones. It must not
+        change them; this base implementation does nothing.
+
+        Args:
+            gradients: The true gradients, aligned with `variables`.
+            transformed_gradients: The output of `transform_gradients`.
+            variables: The variables the gradients belong to.
+        """
+        del gradients, transformed_gradients, variables
+
+    def layer_names_of(self, variables):
+        """Returns, for each variable, the name of its entry in `self.layers`.
+
+        Args:
+            variables: List of variables of the model.
+
+        Returns:
+            A list of layer names aligned with `variables`. A variable that
+            no entry of `self.layers` owns (created by the model itself) gets
+            the model's name.
+        """
+        owners = {}
+        for layer in self.layers:
+            for variable in layer.trainable_variables:
+                owners.setdefault(id(variable), layer.name)
+        return [owners.get(id(variable), self.name) for variable in variables]
+
     # The step.
 
     def train_step(self, data):
@@ -216,10 +249,11 @@ class TrainStepMixin:
             self.optimizer, keras.optimizers.LossScaleOptimizer
         )
         finite = clipping.all_finite(gradients) if check else None
-        gradients = self.transform_gradients(gradients, variables)
+        transformed = self.transform_gradients(gradients, variables)
         if self.skip_nonfinite:
-            finite = tf.logical_and(finite, clipping.all_finite(gradients))
-        self.apply_gradients(gradients, variables, finite=finite)
+            finite = tf.logical_and(finite, clipping.all_finite(transformed))
+        self.inspect_gradients(gradients, transformed, variables)
+        self.apply_gradients(transformed, variables, finite=finite)
         if self.skip_nonfinite:
             self._record_skipped_step(tf.logical_not(finite))
         return finite

@@ -1,0 +1,220 @@
+"""Per-layer gradient statistics as pure functions.
+
+Each function takes a list of gradients (tensors, `tf.IndexedSlices` or
+`None`), a list of the same length naming the group (layer) of each
+gradient, and the ordered list of groups to report; it returns a float32
+vector with one entry per group. `IndexedSlices` count as their dense
+equivalent. Groups without any gradient report 0.
+
+```python
+norms = group_norms(grads, model_layer_names, ["dense", "dense_1"])
+```
+"""
+
+import tensorflow as tf
+
+from custom_fit import _gradient_ops
+
+# Statistics that `GradientInspectionMixin(gradient_statistics=...)` offers
+# beside the per-layer norm.
+STATISTICS = ("max_abs", "zero_fraction", "nonfinite_count", "update_ratio")
+
+# Floor on a weight norm in `update_ratios`, so zero weights do not divide by 0.
+_WEIGHT_NORM_FLOOR = 1e-12
+
+
+def _per_group(values, groups, order, combine):
+    """Combines per-gradient scalars into one value per group in `order`."""
+    members = {key: [] for key in order}
+    for value, key in zip(values, groups):
+        if value is not None and key in members:
+            members[key].append(value)
+    return tf.stack(
+        [
+            combine(tf.stack(items)) if items else tf.constant(0.0)
+            for items in members.values()
+        ]
+    )
+
+
+def _dense_size(gradient):
+    """Returns the number of entries of the dense equivalent, as float32."""
+    if isinstance(gradient, tf.IndexedSlices):
+        return tf.cast(tf.reduce_prod(gradient.dense_shape), tf.float32)
+    return tf.cast(tf.size(gradient), tf.float32)
+
+
+def group_norms(gradients, groups, order):
+    """Returns the joint L2 norm of each group's gradients.
+
+    Args:
+        gradients: List of tensors, `tf.IndexedSlices` or `None`.
+        groups: List aligned with `gradients`: the group of each gradient.
+        order: List of the groups to report, in order.
+
+    Returns:
+        A float32 vector of `len(order)` norms.
+
+    Example:
+
+    ```python
+    >>> g = [tf.constant([3.0]), tf.constant([4.0]), tf.constant([1.0])]
+    >>> group_norms(g, ["a", "a", "b"], ["a", "b"]).numpy()
+    array([5., 1.], dtype=float32)
+    ```
+    """
+    squares = [
+        None if g is None else _gradient_ops.squared_sum(g) for g in gradients
+    ]
+    return tf.sqrt(_per_group(squares, groups, order, tf.reduce_sum))
+
+
+def group_max_abs(gradients, groups, order):
+    """Returns the largest absolute gradient entry of each group.
+
+    Args:
+        gradients: List of tensors, `tf.IndexedSlices` or `None`.
+        groups: List aligned with `gradients`: the group of each gradient.
+        order: List of the groups to report, in order.
+
+    Returns:
+        A float32 vector of `len(order)` values (NaN if a NaN is present).
+
+    Example:
+
+    ```python
+    >>> group_max_abs([tf.constant([-3.0, 2.0])], ["a"], ["a"]).numpy()
+    array([3.], dtype=float32)
+    ```
+    """
+    maxima = [
+        None
+        if g is None
+        else tf.reduce_max(
+            tf.abs(
+                tf.cast(
+                    _gradient_ops.values_of(_gradient_ops.deduplicate(g)),
+                    tf.float32,
+                )
+            )
+        )
+        for g in gradients
+    ]
+    return _per_group(maxima, groups, order, tf.reduce_max)
+
+
+def group_zero_fraction(gradients, groups, order):
+    """Returns the fraction of exactly-zero gradient entries of each group.
+
+    A high fraction flags dead units (a ReLU that never fires passes back
+    exact zeros).
+
+    Args:
+        gradients: List of tensors, `tf.IndexedSlices` or `None`.
+        groups: List aligned with `gradients`: the group of each gradient.
+        order: List of the groups to report, in order.
+
+    Returns:
+        A float32 vector of `len(order)` fractions in [0, 1].
+
+    Example:
+
+    ```python
+    >>> group_zero_fraction([tf.constant([0.0, 2.0, 0.0, 1.0])], ["a"],
+    ...                     ["a"]).numpy()
+    array([0.5], dtype=float32)
+    ```
+    """
+    zeros, sizes = [], []
+    for g in gradients:
+        if g is None:
+            zeros.append(None)
+            sizes.append(None)
+            continue
+        g = _gradient_ops.deduplicate(g)
+        size = _dense_size(g)
+        nonzero = tf.cast(
+            tf.math.count_nonzero(_gradient_ops.values_of(g)), tf.float32
+        )
+        zeros.append(size - nonzero)
+        sizes.append(size)
+    zero_counts = _per_group(zeros, groups, order, tf.reduce_sum)
+    total_sizes = _per_group(sizes, groups, order, tf.reduce_sum)
+    return tf.math.divide_no_nan(zero_counts, total_sizes)
+
+
+def group_nonfinite_count(gradients, groups, order):
+    """Returns the number of NaN or infinite gradient entries of each group.
+
+    Args:
+        gradients: List of tensors, `tf.IndexedSlices` or `None`.
+        groups: List aligned with `gradients`: the group of each gradient.
+        order: List of the groups to report, in order.
+
+    Returns:
+        A float32 vector of `len(order)` counts.
+
+    Example:
+
+    ```python
+    >>> group_nonfinite_count([tf.constant([1.0, float("nan")])], ["a"],
+    ...                       ["a"]).numpy()
+    array([1.], dtype=float32)
+    ```
+    """
+    counts = [
+        None
+        if g is None
+        else tf.reduce_sum(
+            tf.cast(
+                tf.logical_not(tf.math.is_finite(_gradient_ops.values_of(g))),
+                tf.float32,
+            )
+        )
+        for g in gradients
+    ]
+    return _per_group(counts, groups, order, tf.reduce_sum)
+
+
+def update_ratios(before, after, groups, order):
+    """Returns, per group, the norm of the update over the norm of the weights.
+
+    The ratio `||w_after - w_before|| / ||w_before||` is the usual check on a
+    learning rate: around 1e-3 is healthy, much larger means the weights are
+    rewritten every step, much smaller that the layer barely learns.
+
+    Args:
+        before: List of weight tensors before the optimizer step.
+        after: List of the same weights after the step.
+        groups: List aligned with `before`: the group of each weight.
+        order: List of the groups to report, in order.
+
+    Returns:
+        A float32 vector of `len(order)` ratios.
+
+    Example:
+
+    ```python
+    >>> update_ratios([tf.constant([3.0, 4.0])], [tf.constant([3.0, 4.5])],
+    ...               ["a"], ["a"]).numpy()
+    array([0.1], dtype=float32)
+    ```
+    """
+    updates = [
+        tf.reduce_sum(
+            tf.square(tf.cast(a, tf.float32) - tf.cast(b, tf.float32))
+        )
+        for a, b in zip(after, before)
+    ]
+    weights = [tf.reduce_sum(tf.square(tf.cast(b, tf.float32))) for b in before]
+    update_norms = tf.sqrt(_per_group(updates, groups, order, tf.reduce_sum))
+    weight_norms = tf.sqrt(_per_group(weights, groups, order, tf.reduce_sum))
+    return update_norms / tf.maximum(weight_norms, _WEIGHT_NORM_FLOOR)
+
+
+GROUP_STATISTICS = {
+    "norm": group_norms,
+    "max_abs": group_max_abs,
+    "zero_fraction": group_zero_fraction,
+    "nonfinite_count": group_nonfinite_count,
+}

@@ -4,6 +4,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 
 from tests import testing
 
@@ -44,3 +45,17 @@ class ExamplesTest(testing.TestCase):
             "val_logit_penalty",
         ):
             self.assertRegex(output, f"(?m)^{name}: [0-9.]+$")
+
+    def test_inspect_gradients_writes_logs_png_and_csv(self):
+        """TensorBoard events, a PNG and a CSV with one column per layer."""
+        output_dir = tempfile.mkdtemp()
+        run_example(
+            "inspect_gradients", "--epochs=1", f"--output_dir={output_dir}"
+        )
+        with open(os.path.join(output_dir, "gradient_norms.png"), "rb") as f:
+            self.assertEqual(f.read(4), b"\x89PNG")
+        with open(os.path.join(output_dir, "gradient_norms.csv")) as f:
+            header = f.readline().strip()
+        self.assertEqual(header, "step,dense_1,dense_2,predictions")
+        events = os.listdir(os.path.join(output_dir, "logs", "train"))
+        self.assertTrue(any(name.startswith("events.out") for name in events))

@@ -1,0 +1,198 @@
+"""Callbacks: event files read back with TensorBoard, PNG, CSV, alarm."""
+
+import csv
+import glob
+import os
+import tempfile
+
+import keras
+import numpy as np
+import tensorflow as tf
+from tensorboard.backend.event_processing import event_accumulator
+
+import custom_fit
+from custom_fit import callbacks
+from tests import testing
+
+
+class Net(custom_fit.GradientInspectionMixin, keras.Model):
+    pass
+
+
+class SqrtScale(keras.layers.Layer):
+    """Multiplies by sqrt(w) with w = 0: finite outputs, but an infinite
+    gradient for w alone (every other layer's gradient stays finite)."""
+
+    def build(self, input_shape):
+        self.w = self.add_weight(shape=(input_shape[-1],), initializer="zeros")
+
+    def call(self, inputs):
+        return inputs * tf.sqrt(self.w)
+
+
+def fitted(model_callbacks, epochs=2, **model_kwargs):
+    model = testing.mlp(Net, **model_kwargs)
+    model.compile(optimizer="sgd", loss=testing.sparse_crossentropy())
+    x, y = testing.classification_data()
+    model.fit(
+        x, y, batch_size=16, epochs=epochs, verbose=0, callbacks=model_callbacks
+    )
+    return model
+
+
+def event_tags(directory):
+    """Returns the tensor tags TensorBoard's own reader finds."""
+    accumulator = event_accumulator.EventAccumulator(
+        directory, size_guidance={event_accumulator.TENSORS: 0}
+    )
+    accumulator.Reload()
+    return accumulator, set(accumulator.Tags()["tensors"])
+
+
+class GradientTensorBoardTest(testing.TestCase):
+    def test_event_tags_read_back(self):
+        """Scalar and histogram tags per layer, beside Keras' TensorBoard."""
+        log_dir = tempfile.mkdtemp()
+        fitted(
+            [
+                keras.callbacks.TensorBoard(log_dir),
+                callbacks.GradientTensorBoard(log_dir, update_freq=2),
+            ],
+            keep_gradients=True,
+        )
+        accumulator, tags = event_tags(os.path.join(log_dir, "train"))
+        self.assertTrue(
+            {
+                "gradient_norm/hidden",
+                "gradient_norm/output",
+                "gradients/hidden",
+                "gradients/output",
+                "epoch_loss",  # written by keras.callbacks.TensorBoard
+            }
+            <= tags,
+            tags,
+        )
+        # 8 batches, written every 2 calls: steps 2, 4, 6, 8.
+        steps = [e.step for e in accumulator.Tensors("gradient_norm/hidden")]
+        self.assertEqual(steps, [2, 4, 6, 8])
+
+    def test_no_event_files_when_nothing_is_logged(self):
+        """A frequency never reached leaves no event file behind."""
+        log_dir = tempfile.mkdtemp()
+        fitted(
+            [
+                callbacks.GradientTensorBoard(
+                    log_dir, update_freq=1000, histograms=False
+                )
+            ]
+        )
+        self.assertEqual(
+            glob.glob(os.path.join(log_dir, "**", "*"), recursive=True), []
+        )
+
+    def test_histograms_need_kept_gradients(self):
+        """Histograms without keep_gradients=True fail with the fix."""
+        with self.assertRaisesRegex(ValueError, "keep_gradients=True"):
+            fitted([callbacks.GradientTensorBoard(tempfile.mkdtemp())])
+
+    def test_plain_model_is_refused(self):
+        """A model without the inspection mixin gets a clear error."""
+        model = testing.mlp()
+        model.compile(optimizer="sgd", loss=testing.sparse_crossentropy())
+        x, y = testing.classification_data(samples=8)
+        with self.assertRaisesRegex(ValueError, "GradientInspectionMixin"):
+            model.fit(
+                x,
+                y,
+                verbose=0,
+                callbacks=[callbacks.GradientNormHistory()],
+            )
+
+
+class GradientNormHistoryTest(testing.TestCase):
+    def test_png_and_csv(self):
+        """The PNG is a valid image; the CSV parses to the recorded norms."""
+        history = callbacks.GradientNormHistory(every_n_batches=1)
+        model = fitted([history])
+        self.assertEqual(history.steps, list(range(1, 9)))
+        self.assertEqual(
+            history.norms["hidden"][-1], model.gradient_norms["hidden"]
+        )
+        directory = tempfile.mkdtemp()
+        png = os.path.join(directory, "norms.png")
+        history.plot(png)
+        with open(png, "rb") as handle:
+            self.assertEqual(handle.read(8), b"\x89PNG\r\n\x1a\n")
+        import matplotlib.image
+
+        image = matplotlib.image.imread(png)
+        self.assertGreater(image.shape[0], 100)
+        self.assertGreater(image.shape[1], 100)
+
+        path = os.path.join(directory, "norms.csv")
+        history.to_csv(path)
+        with open(path, newline="") as handle:
+            rows = list(csv.reader(handle))
+        self.assertEqual(rows[0], ["step", "hidden", "output"])
+        self.assertLen(rows, 9)
+        self.assertAllClose(
+            [float(r[1]) for r in rows[1:]], history.norms["hidden"], rtol=1e-6
+        )
+
+    def test_bad_frequency_raises(self):
+        """A zero frequency is refused by name."""
+        with self.assertRaisesRegex(ValueError, "Received: every_n_batches=0"):
+            callbacks.GradientNormHistory(every_n_batches=0)
+
+
+class GradientAlarmTest(testing.TestCase):
+    def build_bad_model(self):
+        inputs = keras.Input((4,))
+        x = keras.layers.Dense(6, name="first")(inputs)
+        x = SqrtScale(name="bad")(x)
+        outputs = keras.layers.Dense(3, name="last")(x)
+        model = Net(inputs, outputs)
+        model.compile(optimizer="sgd", loss=testing.sparse_crossentropy())
+        return model
+
+    def test_alarm_names_the_bad_layer_and_stops(self):
+        """Only `bad` has non-finite gradients; the alarm names it and
+        stops training after the first step."""
+        model = self.build_bad_model()
+        alarm = callbacks.GradientAlarm()
+        x, y = testing.classification_data()
+        history = model.fit(
+            x, y, batch_size=16, epochs=3, verbose=0, callbacks=[alarm]
+        )
+        self.assertEqual(alarm.triggered[:2], (1, "bad"))
+        self.assertTrue(np.isfinite(model.gradient_norms["first"]))
+        self.assertTrue(np.isfinite(model.gradient_norms["last"]))
+        self.assertLen(history.history["loss"], 1)
+
+    def test_warn_mode_goes_on(self):
+        """action='warn' warns once per layer and trains to the end."""
+        model = self.build_bad_model()
+        x, y = testing.classification_data()
+        with self.assertWarnsRegex(UserWarning, "layer 'bad'"):
+            history = model.fit(
+                x,
+                y,
+                batch_size=16,
+                epochs=2,
+                verbose=0,
+                callbacks=[callbacks.GradientAlarm(action="warn")],
+            )
+        self.assertLen(history.history["loss"], 2)
+
+    def test_max_norm_counts_as_exploding(self):
+        """A finite norm above max_norm triggers the alarm too."""
+        alarm = callbacks.GradientAlarm(max_norm=1e-9)
+        fitted([alarm], epochs=1)
+        self.assertEqual(alarm.triggered[1], "hidden")
+
+    def test_bad_arguments_raise(self):
+        """Unknown actions and non-positive bounds are refused by name."""
+        with self.assertRaisesRegex(ValueError, "Received: action='halt'"):
+            callbacks.GradientAlarm(action="halt")
+        with self.assertRaisesRegex(ValueError, "Received: max_norm=0"):
+            callbacks.GradientAlarm(max_norm=0)

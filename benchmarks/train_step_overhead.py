@@ -1,16 +1,25 @@
-"""Step time of custom_fit mixins relative to plain Keras, in one process.
+"""Step cost of custom_fit mixins against plain Keras, in one process.
 
-For each workload and setting (jit_compile, steps_per_execution), every
-configuration is built once, warmed up, and then timed in interleaved rounds
-(`--rounds`, median reported), so drift of the machine hits all of them
-alike. The table gives milliseconds per step and the ratio to plain
-`keras.Model.fit` at the same setting.
+For each workload and setting (`jit_compile`, `steps_per_execution`), every
+configuration is built once, warmed up (tracing, XLA compilation), then timed
+in interleaved rounds whose order rotates, so drift of the machine hits all
+configurations alike. Reported per configuration: the median over rounds of
+the process CPU time per step and of the wall time per step, and their
+ratios to plain `keras.Model.fit` at the same setting. With `--memory`, each
+configuration also runs alone in a child process, whose peak resident memory
+is reported.
 
     python benchmarks/train_step_overhead.py --rounds=7
 
-Workloads (synthetic data): `mlp`, the seed MLP 784-64-64-10 at batch 64
-(overhead-bound); `cnn`, a small CNN on 28x28x1 at batch 128
-(compute-bound).
+Workloads (synthetic data made here): `mlp`, the seed MLP 784-64-64-10 at
+batch 64 (overhead-bound); `cnn`, a small CNN on 28x28x1 at batch 128
+(compute-bound). Baselines beside `fit`: the seed documents' hand-written
+`tf.function` GradientTape step called from a Python loop, and the same loop
+run eagerly (fewer steps).
+
+CPU time is the primary figure: on the 2-core machine this was written on,
+wall time is bimodal (a step intermittently takes a fixed, longer time, the
+same for every configuration), which moves wall-time medians by up to 30%.
 """
 
 import os
@@ -19,7 +28,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import datetime  # noqa: E402
 import platform  # noqa: E402
+import resource  # noqa: E402
 import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
 
 import keras  # noqa: E402
@@ -41,6 +53,15 @@ _STEPS_PER_EXECUTION = flags.DEFINE_list(
 _JIT = flags.DEFINE_list(
     "jit_compile", ["false", "true"], "jit_compile values."
 )
+_CONFIGURATIONS = flags.DEFINE_list(
+    "configurations", [], "Configurations to run (default: all)."
+)
+_MEMORY = flags.DEFINE_bool(
+    "memory", False, "Also measure peak memory, one child process each."
+)
+_MEMORY_CHILD = flags.DEFINE_string(
+    "memory_child", "", "Internal: workload,configuration,jit,spe to run."
+)
 
 
 class StepMixinModel(custom_fit.TrainStepMixin, keras.Model):
@@ -51,13 +72,41 @@ class ClippingModel(custom_fit.GradientClippingMixin, keras.Model):
     """GradientClippingMixin with global_clipnorm."""
 
 
+class InspectionModel(custom_fit.GradientInspectionMixin, keras.Model):
+    """GradientInspectionMixin."""
+
+
+class RegularizedModel(custom_fit.RegularizationMixin, keras.Model):
+    """RegularizationMixin with L2 and one custom term."""
+
+    def regularization_losses(self, x, y, y_pred):
+        """Returns a small penalty on the logits."""
+        return {"logit_penalty": 1e-4 * tf.reduce_mean(tf.square(y_pred))}
+
+
+class StackedModel(
+    custom_fit.GradientClippingMixin,
+    custom_fit.GradientInspectionMixin,
+    custom_fit.RegularizationMixin,
+    keras.Model,
+):
+    """Clipping, inspection every step and regularization together."""
+
+    regularization_losses = RegularizedModel.regularization_losses
+
+
 # name -> (model class, mixin keywords, optimizer keywords)
-CONFIGURATIONS = {
+FIT_CONFIGURATIONS = {
     "keras": (keras.Model, {}, {}),
     "keras_global_clipnorm": (keras.Model, {}, {"global_clipnorm": 1.0}),
     "TrainStepMixin": (StepMixinModel, {}, {}),
     "clipping": (ClippingModel, {"global_clipnorm": 1.0}, {}),
+    "inspection_every_step": (InspectionModel, {"inspect_every": 1}, {}),
+    "inspection_every_100": (InspectionModel, {"inspect_every": 100}, {}),
+    "regularization": (RegularizedModel, {"l2": 1e-4}, {}),
+    "stacked": (StackedModel, {"global_clipnorm": 1.0, "l2": 1e-4}, {}),
 }
+LOOP_CONFIGURATIONS = ("tf_function_loop", "eager_loop")
 
 WORKLOADS = {
     # name -> (input shape, batch size, layer factory, steps per round)
@@ -82,24 +131,35 @@ WORKLOADS = {
             keras.layers.Flatten(),
             keras.layers.Dense(10),
         ],
-        64,
+        48,
     ),
 }
 
 
-def build(workload, configuration, jit_compile, steps_per_execution):
-    """Returns a compiled model for one workload and configuration."""
+def network(workload, model_class=keras.Model, **kwargs):
+    """Returns the workload's network as a `model_class` instance."""
     shape, _, layers, _ = WORKLOADS[workload]
-    model_class, mixin_kwargs, optimizer_kwargs = CONFIGURATIONS[configuration]
     keras.utils.set_random_seed(0)
     inputs = keras.Input(shape)
     x = inputs
     for layer in layers():
         x = layer(x)
-    model = model_class(inputs, x, **mixin_kwargs)
+    return model_class(inputs, x, **kwargs)
+
+
+def loss_function():
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def build_fit(workload, configuration, jit_compile, steps_per_execution):
+    """Returns a compiled model for a `fit` configuration."""
+    model_class, mixin_kwargs, optimizer_kwargs = FIT_CONFIGURATIONS[
+        configuration
+    ]
+    model = network(workload, model_class, **mixin_kwargs)
     model.compile(
         optimizer=keras.optimizers.Adam(1e-3, **optimizer_kwargs),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        loss=loss_function(),
         jit_compile=jit_compile,
         steps_per_execution=steps_per_execution,
     )
@@ -116,66 +176,159 @@ def dataset(workload):
     return data.repeat().prefetch(tf.data.AUTOTUNE)
 
 
-def seconds_per_step(model, data, steps):
-    """Times one `fit` call of `steps` steps; returns seconds per step."""
-    start = time.perf_counter()
-    model.fit(data, epochs=1, steps_per_epoch=steps, verbose=0)
-    return (time.perf_counter() - start) / steps
+class FitRunner:
+    """Runs `steps` training steps with `model.fit`."""
+
+    def __init__(self, model, data):
+        self.model = model
+        self.data = data
+
+    def __call__(self, steps):
+        """Trains `steps` steps."""
+        self.model.fit(self.data, epochs=1, steps_per_epoch=steps, verbose=0)
 
 
-def measure(workload, jit_compile, steps_per_execution):
-    """Returns {configuration: (median, min) ms/step} for one setting.
+class LoopRunner:
+    """The seed documents' loop: one GradientTape step per batch.
 
-    The order of the configurations rotates from round to round, so none of
-    them is always the first to run after another model.
+    The step is called from Python, compiled with `tf.function` or eager.
     """
+
+    def __init__(self, workload, data, compiled, jit_compile):
+        self.model = network(workload)
+        self.optimizer = keras.optimizers.Adam(1e-3)
+        self.loss_fn = loss_function()
+        self.iterator = iter(data)
+        step = self.step
+        if compiled:
+            step = tf.function(step, jit_compile=jit_compile)
+        self.compiled_step = step
+
+    def step(self, x, y):
+        """One training step on a batch; returns the loss."""
+        with tf.GradientTape() as tape:
+            loss = self.loss_fn(y, self.model(x, training=True))
+        variables = self.model.trainable_variables
+        grads = tape.gradient(loss, variables)
+        self.optimizer.apply_gradients(zip(grads, variables))
+        return loss
+
+    def __call__(self, steps):
+        """Trains `steps` steps and waits for the last one."""
+        for _ in range(steps):
+            loss = self.compiled_step(*next(self.iterator))
+        float(loss)  # wait for the last step, as fit does
+
+
+def time_per_step(runner, steps):
+    """Returns (CPU seconds, wall seconds) per step for one call."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    runner(steps)
+    return (
+        (time.process_time() - cpu) / steps,
+        (time.perf_counter() - wall) / steps,
+    )
+
+
+def runners(workload, jit_compile, steps_per_execution, names):
+    """Returns {name: runner} for one setting."""
     data = dataset(workload)
-    models = {
-        name: build(workload, name, jit_compile, steps_per_execution)
-        for name in CONFIGURATIONS
-    }
-    for model in models.values():  # warm-up: tracing and compilation
-        seconds_per_step(model, data, max(steps_per_execution, 16) * 2)
+    result = {}
+    for name in names:
+        if name in FIT_CONFIGURATIONS:
+            model = build_fit(workload, name, jit_compile, steps_per_execution)
+            result[name] = FitRunner(model, data)
+        elif name == "tf_function_loop":
+            result[name] = LoopRunner(workload, data, True, jit_compile)
+        elif name == "eager_loop":
+            result[name] = LoopRunner(workload, data, False, False)
+    return result
+
+
+def measure(workload, jit_compile, steps_per_execution, names):
+    """Returns {name: (median CPU ms, median wall ms)} per step."""
     steps = _STEPS.value or WORKLOADS[workload][3]
-    names = list(models)
-    times = {name: [] for name in names}
+    setting = runners(workload, jit_compile, steps_per_execution, names)
+    for runner in setting.values():  # warm-up
+        runner(max(steps_per_execution, 16) * 2)
+    samples = {name: [] for name in setting}
+    order = list(setting)
     for round_index in range(_ROUNDS.value):
-        shift = round_index % len(names)
-        for name in names[shift:] + names[:shift]:
-            times[name].append(seconds_per_step(models[name], data, steps))
+        shift = round_index % len(order)
+        for name in order[shift:] + order[:shift]:
+            # The eager loop is slow: a tenth of the steps.
+            count = max(steps // 10, 4) if name == "eager_loop" else steps
+            samples[name].append(time_per_step(setting[name], count))
     return {
-        name: (1000 * statistics.median(t), 1000 * min(t))
-        for name, t in times.items()
+        name: (
+            1000 * statistics.median(s[0] for s in values),
+            1000 * statistics.median(s[1] for s in values),
+        )
+        for name, values in samples.items()
     }
+
+
+def peak_memory_mb(workload, name, jit, spe):
+    """Runs one configuration in a child process; returns its peak RSS."""
+    child = subprocess.run(
+        [
+            sys.executable,
+            os.path.abspath(__file__),
+            f"--memory_child={workload},{name},{jit},{spe}",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return float(child.stdout.strip().splitlines()[-1])
+
+
+def run_memory_child(spec):
+    """Trains one configuration briefly and prints the peak RSS in MB."""
+    workload, name, jit, spe = spec.split(",")
+    setting = runners(workload, jit == "true", int(spe), [name])
+    setting[name](64)
+    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
 
 
 def main(argv):
     del argv
+    if _MEMORY_CHILD.value:
+        run_memory_child(_MEMORY_CHILD.value)
+        return
+    names = _CONFIGURATIONS.value or (
+        list(FIT_CONFIGURATIONS) + list(LOOP_CONFIGURATIONS)
+    )
     processor = platform.processor() or platform.machine()
     print(
-        f"# {datetime.date.today()} | {processor}"
-        f" | {os.cpu_count()} cores | TensorFlow {tf.__version__}"
-        f" | Keras {keras.__version__} | custom_fit {custom_fit.__version__}"
+        f"# {datetime.date.today()} | {processor} | {os.cpu_count()} cores"
+        f" | TensorFlow {tf.__version__} | Keras {keras.__version__}"
+        f" | custom_fit {custom_fit.__version__} | rounds={_ROUNDS.value}"
     )
-    print(
-        f"# rounds={_ROUNDS.value}: median ms/step (median ratio to keras; "
-        "ratio of the fastest rounds)\n"
-    )
-    header = "| workload | jit | spe | " + " | ".join(CONFIGURATIONS) + " |"
-    print(header)
-    print("|" + "---|" * (3 + len(CONFIGURATIONS)))
+    print("# cells: CPU ms/step (CPU ratio to keras; wall ms, wall ratio)")
     for workload in _WORKLOADS.value:
         for jit in _JIT.value:
             for spe in _STEPS_PER_EXECUTION.value:
-                result = measure(workload, jit == "true", int(spe))
-                base_median, base_min = result["keras"]
-                cells = [
-                    f"{median:.3f} ms ({median / base_median:.2f}x; "
-                    f"min {minimum / base_min:.2f}x)"
-                    for median, minimum in result.values()
-                ]
-                row = f"| {workload} | {jit} | {spe} | " + " | ".join(cells)
-                print(row + " |", flush=True)
+                result = measure(workload, jit == "true", int(spe), names)
+                base_cpu, base_wall = result.get("keras", (None, None))
+                print(f"\n## {workload}, jit_compile={jit}, spe={spe}\n")
+                header = "| configuration | CPU ms/step | ratio | wall ms/step"
+                header += " | ratio |"
+                if _MEMORY.value:
+                    header += " peak MB |"
+                print(header)
+                print("|---|---|---|---|---|" + ("---|" * _MEMORY.value))
+                for name, (cpu, wall) in result.items():
+                    cpu_ratio = f"{cpu / base_cpu:.2f}" if base_cpu else "-"
+                    wall_ratio = f"{wall / base_wall:.2f}" if base_wall else "-"
+                    row = (
+                        f"| {name} | {cpu:.3f} | {cpu_ratio} | {wall:.3f} | "
+                        f"{wall_ratio} |"
+                    )
+                    if _MEMORY.value:
+                        memory = peak_memory_mb(workload, name, jit, spe)
+                        row += f" {memory:.0f} |"
+                    print(row, flush=True)
 
 
 if __name__ == "__main__":

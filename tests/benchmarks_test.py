@@ -11,7 +11,7 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 class BenchmarkSmokeTest(testing.TestCase):
     def test_entry_point_prints_a_table(self):
-        """A two-step run prints one table row per setting."""
+        """A two-step run prints one row per configuration, with memory."""
         result = subprocess.run(
             [
                 sys.executable,
@@ -21,6 +21,8 @@ class BenchmarkSmokeTest(testing.TestCase):
                 "--steps=2",
                 "--steps_per_execution=1",
                 "--jit_compile=false",
+                "--configurations=keras,stacked,tf_function_loop",
+                "--memory",
             ],
             capture_output=True,
             text=True,
@@ -29,7 +31,12 @@ class BenchmarkSmokeTest(testing.TestCase):
         )
         self.assertEqual(result.returncode, 0, result.stderr[-3000:])
         rows = [
-            line for line in result.stdout.splitlines() if "| mlp |" in line
+            [cell.strip() for cell in line.split("|")]
+            for line in result.stdout.splitlines()
+            if line.startswith("| ") and "configuration" not in line
         ]
-        self.assertLen(rows, 1)
-        self.assertIn("(1.00x; min 1.00x)", rows[0])
+        self.assertEqual(
+            [row[1] for row in rows], ["keras", "stacked", "tf_function_loop"]
+        )
+        self.assertEqual(rows[0][3], "1.00")  # keras against itself
+        self.assertGreater(float(rows[1][6]), 100)  # peak memory in MB

@@ -124,21 +124,30 @@ class GradientInspectionMixin(TrainStepMixin):
     def inspect_gradients(self, gradients, transformed_gradients, variables):
         """Logs the global norms and records the per-layer statistics."""
         super().inspect_gradients(gradients, transformed_gradients, variables)
-        self.report_metric("grad_norm", clipping.global_norm(gradients))
+        owners = self.layer_names_of(variables)
+        self._create_inspection_state(owners, variables)
+        layers = self._inspected_layers
+        if self.inspect_every == 1:
+            # Every layer is a group: the global norm follows from theirs,
+            # which saves a pass over the gradients.
+            layer_norms = inspection.group_norms(gradients, owners, layers)
+            global_norm = tf.sqrt(tf.reduce_sum(tf.square(layer_norms)))
+        else:
+            layer_norms = None
+            global_norm = clipping.global_norm(gradients)
+        self.report_metric("grad_norm", global_norm)
         if self._clips_gradients():
             self.report_metric(
                 "grad_norm_clipped", clipping.global_norm(transformed_gradients)
             )
-        owners = self.layer_names_of(variables)
-        self._create_inspection_state(owners, variables)
 
         def record():
             for name, variable in self._inspection_state.items():
-                if name in inspection.GROUP_STATISTICS:
+                if name == "norm" and layer_norms is not None:
+                    variable.assign(layer_norms)
+                elif name in inspection.GROUP_STATISTICS:
                     function = inspection.GROUP_STATISTICS[name]
-                    variable.assign(
-                        function(gradients, owners, self._inspected_layers)
-                    )
+                    variable.assign(function(gradients, owners, layers))
             for (_, kept), g in zip(self._kept_gradients, gradients):
                 if g is not None:
                     kept.assign(tf.cast(tf.convert_to_tensor(g), kept.dtype))

@@ -248,6 +248,9 @@ def runners(workload, jit_compile, steps_per_execution, names):
 def measure(workload, jit_compile, steps_per_execution, names):
     """Returns {name: (median CPU ms, median wall ms)} per step."""
     steps = _STEPS.value or WORKLOADS[workload][3]
+    if jit_compile or steps_per_execution > 1:
+        # The eager loop ignores both settings: measure it once.
+        names = [name for name in names if name != "eager_loop"]
     setting = runners(workload, jit_compile, steps_per_execution, names)
     for runner in setting.values():  # warm-up
         runner(max(steps_per_execution, 16) * 2)

@@ -2,7 +2,8 @@
 
 `TrainStepMixin` must behave exactly like `TensorFlowTrainer.train_step`
 (keras/src/backend/tensorflow/trainer.py), which uses three private
-attributes. Each use is isolated here and pinned by
+attributes, and works around one Keras bug under MultiWorkerMirroredStrategy
+through a private method. Each use is isolated here and pinned by
 `tests/keras_compat_test.py`, so a Keras upgrade that renames one fails
 there first.
 """
@@ -77,3 +78,68 @@ def track_loss(model, loss, x, counted=None):
         loss = tf.where(counted, loss, tf.zeros_like(loss))
         weight = weight * tf.cast(counted, weight.dtype)
     model._loss_tracker.update_state(loss, sample_weight=weight)
+
+
+def symbolic_build_batch(model, iterator):
+    """Returns a batch of local tensors for Keras' `_maybe_symbolic_build`.
+
+    Keras 3.15 builds the model before `fit` from the first batch, averaged
+    across replicas with `strategy.reduce("MEAN", batch)`. Under
+    MultiWorkerMirroredStrategy that reduce fails ("Attempt to convert a
+    value (PerReplica...) to a Tensor"), for plain `keras.Model` too. Only the
+    shapes and dtypes of the batch matter there, so the first replica's
+    local tensors serve.
+
+    Args:
+        model: The model being fitted.
+        iterator: Keras' epoch iterator, yielding `(begin, end, iterator)`.
+
+    Returns:
+        The first batch with every distributed value replaced by its first
+        local component.
+    """
+    strategy = model.distribute_strategy
+    for _, _, data_iterator in iterator:
+        batch = next(data_iterator)
+        break
+
+    def local(value):
+        if isinstance(value, tf.distribute.DistributedValues):
+            return strategy.experimental_local_results(value)[0]
+        return value
+
+    return tf.nest.map_structure(local, batch)
+
+
+def reducible_logs(model, logs):
+    """Returns step logs that Keras can reduce across workers.
+
+    Keras 3.15 reduces each log of a step with `strategy.reduce("MEAN", v,
+    axis=0)` under MultiWorkerMirroredStrategy, which fails on the scalars
+    that every step returns ("Invalid reduction dimension 0 for input with 0
+    dimensions"), for plain `keras.Model` too. Scalars are given shape `[1]`:
+    the reduce then averages over replicas and that axis, and returns the
+    scalar. Under other strategies the logs are returned unchanged.
+
+    Args:
+        model: The model.
+        logs: Dict of log name to tensor.
+
+    Returns:
+        The logs, each scalar reshaped to `[1]` under the multi-worker
+        strategy.
+    """
+    if not is_multi_worker(model):
+        return logs
+    return {
+        name: tf.reshape(value, [1]) if value.shape.rank == 0 else value
+        for name, value in logs.items()
+    }
+
+
+def is_multi_worker(model):
+    """Returns whether `model` was built under MultiWorkerMirroredStrategy."""
+    return isinstance(
+        getattr(model, "_distribute_strategy", None),
+        tf.distribute.MultiWorkerMirroredStrategy,
+    )

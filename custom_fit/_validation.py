@@ -8,6 +8,8 @@ config), never inside the training step.
 import math
 import numbers
 
+import tensorflow as tf
+
 
 def positive_float_or_none(name, value):
     """Returns `value` as a float, or `None`, after checking it.
@@ -179,3 +181,29 @@ def subset_of(allowed):
         )
 
     return validate
+
+
+def scalar_tensor(value, what, name):
+    """Returns `value` as a tensor after checking that it is a scalar.
+
+    Runs at trace time, where static shapes are known.
+
+    Args:
+        value: A tensor or a Python number.
+        what: String. What the value is, for the message ("The metric").
+        name: String. The value's name, for the message.
+
+    Returns:
+        A tensor of rank 0.
+
+    Raises:
+        ValueError: If `value` has a rank other than 0.
+    """
+    value = tf.convert_to_tensor(value)
+    if value.shape.rank != 0:
+        raise ValueError(
+            f"{what} {name!r} must be a scalar. Received: {name}=<tensor of "
+            f"shape {value.shape}>. Reduce it to a scalar first, for instance "
+            "with `ops.mean`."
+        )
+    return value

@@ -82,10 +82,7 @@ def l1_penalty(variables, l1):
     1.5
     ```
     """
-    total = tf.constant(0.0)
-    for v in variables:
-        total += tf.reduce_sum(tf.abs(tf.cast(v, tf.float32)))
-    return l1 * total
+    return l1 * _sum_over(variables, tf.abs)
 
 
 def l2_penalty(variables, l2):
@@ -105,10 +102,7 @@ def l2_penalty(variables, l2):
     2.5
     ```
     """
-    total = tf.constant(0.0)
-    for v in variables:
-        total += tf.reduce_sum(tf.square(tf.cast(v, tf.float32)))
-    return l2 * total
+    return l2 * _sum_over(variables, tf.square)
 
 
 def input_gradient_penalty(input_gradients, form="squared_norm"):
@@ -164,3 +158,11 @@ def _per_sample_squared_norm(gradient):
         tf.cast(gradient, tf.float32), [tf.shape(gradient)[0], -1]
     )
     return tf.reduce_sum(tf.square(flat), axis=1)
+
+
+def _sum_over(variables, elementwise):
+    """Returns the float32 sum of `elementwise(v)` over all variables."""
+    total = tf.constant(0.0)
+    for v in variables:
+        total += tf.reduce_sum(elementwise(tf.cast(v, tf.float32)))
+    return total

@@ -171,14 +171,9 @@ class RegularizationMixin(TrainStepMixin):
                     f"name. Received: name={name!r}. Use a string other than "
                     f"{reserved}."
                 )
-            value = tf.convert_to_tensor(value)
-            if value.shape.rank != 0:
-                raise ValueError(
-                    f"The regularization term {name!r} must be a scalar. "
-                    f"Received: {name}=<tensor of shape {value.shape}>. "
-                    "Reduce it, for instance with `ops.mean`."
-                )
-            checked[name] = value
+            checked[name] = _validation.scalar_tensor(
+                value, "The regularization term", name
+            )
         return checked
 
     def _input_gradient_term(self, x, y, sample_weight, training):

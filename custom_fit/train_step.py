@@ -333,13 +333,7 @@ class TrainStepMixin:
         ```
         """
         metric = self._step_metric(name, reduction)
-        value = tf.convert_to_tensor(value)
-        if value.shape.rank != 0:
-            raise ValueError(
-                f"`report_metric` needs a scalar value. Received: "
-                f"name={name!r} with a value of shape {value.shape}. Reduce "
-                "it to a scalar first (for instance with `ops.mean`)."
-            )
+        value = _validation.scalar_tensor(value, "The reported metric", name)
         value = tf.cast(value, tf.float32)
         if reduction == "sum":
             # A Sum metric adds every replica's update: count on one only.
@@ -388,7 +382,22 @@ class TrainStepMixin:
     def _without_unreported_step_metrics(self, logs):
         """Drops step metrics that the current step did not report."""
         unreported = set(self._step_metrics) - self._step_metrics_reported
-        return {k: v for k, v in logs.items() if k not in unreported}
+        logs = {k: v for k, v in logs.items() if k not in unreported}
+        return _keras_compat.reducible_logs(self, logs)
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        """Keras' pre-`fit` build, with a MultiWorkerMirroredStrategy fix.
+
+        See `_keras_compat.symbolic_build_batch`.
+        """
+        if iterator is not None and (
+            _keras_compat.is_multi_worker(self)
+        ):
+            data_batch = _keras_compat.symbolic_build_batch(self, iterator)
+            iterator = None
+        return super()._maybe_symbolic_build(
+            iterator=iterator, data_batch=data_batch
+        )
 
     def make_train_function(self, force=False):
         """Builds the train function; adds the skipped-step limit check.

@@ -78,6 +78,7 @@ class TrainStepMixin:
     )
 
     def __init__(self, *args, **kwargs):
+        _refuse_parameter_server_strategy()
         names = _options.declared_options(type(self))
         options = {name: kwargs.pop(name) for name in names if name in kwargs}
         super().__init__(*args, **kwargs)
@@ -518,6 +519,21 @@ class TrainStepMixin:
 
 _REDUCTIONS = ("mean", "sum")
 _METRIC_CLASSES = {"mean": keras.metrics.Mean, "sum": keras.metrics.Sum}
+
+
+def _refuse_parameter_server_strategy():
+    """Raises early under ParameterServerStrategy, which fit cannot use."""
+    strategy = tf.distribute.get_strategy()
+    if isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
+        raise ValueError(
+            "custom_fit mixins cannot train under ParameterServerStrategy: "
+            "Keras 3's TensorFlow trainer has no ClusterCoordinator support, "
+            "so `fit` fails there for plain keras.Model as well (\"To use "
+            "this dataset, you need to pass this dataset to "
+            "ClusterCoordinator.create_per_worker_dataset\"). Received: "
+            f"strategy={type(strategy).__name__}. Use MirroredStrategy or "
+            "MultiWorkerMirroredStrategy instead."
+        )
 
 
 def _format(arguments):

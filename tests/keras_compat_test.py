@@ -16,6 +16,12 @@ class KerasPrivatesTest(testing.TestCase):
         self.assertTrue(callable(model._compute_loss))
         self.assertIsInstance(model._call_has_training_arg, bool)
 
+    def test_symbolic_build_hook_exists(self):
+        """The trainer method overridden for MultiWorkerMirroredStrategy."""
+        model = testing.mlp()
+        self.assertTrue(callable(model._maybe_symbolic_build))
+        self.assertIsNone(model._distribute_strategy)
+
     def test_loss_scale_optimizer_attributes(self):
         """The public LossScaleOptimizer attributes the pipeline reads."""
         optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD())

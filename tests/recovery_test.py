@@ -1,0 +1,89 @@
+"""Recovery from a killed process, and strategies custom_fit refuses."""
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from tests import testing
+
+_SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts")
+_TIMEOUT = 240
+
+
+def script(name, *arguments):
+    return [sys.executable, os.path.join(_SCRIPTS, name), *arguments]
+
+
+def run(command):
+    result = subprocess.run(
+        command, capture_output=True, text=True, timeout=_TIMEOUT, check=False
+    )
+    if result.returncode != 0:
+        raise AssertionError(result.stderr[-4000:])
+    return result.stdout
+
+
+class RecoveryTest(testing.TestCase):
+    def test_sigkill_mid_run_resumes_to_the_same_weights(self):
+        """A run killed with SIGKILL in epoch 3 and restarted ends with the
+        weights and optimizer state of an uninterrupted run."""
+        directory = tempfile.mkdtemp()
+        reference = os.path.join(directory, "reference.npz")
+        run(
+            script(
+                "recovery.py", os.path.join(directory, "ref_backup"), reference
+            )
+        )
+
+        backup = os.path.join(directory, "backup")
+        os.makedirs(backup)
+        process = subprocess.Popen(
+            script(
+                "recovery.py",
+                backup,
+                os.path.join(directory, "x.npz"),
+                "--pause-at",
+                "2,2",
+            ),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            deadline = time.monotonic() + _TIMEOUT
+            marker = os.path.join(backup, "paused")
+            while not os.path.exists(marker):
+                self.assertIsNone(process.poll(), "the run ended early")
+                self.assertLess(time.monotonic(), deadline, "never paused")
+                time.sleep(0.2)
+            process.send_signal(signal.SIGKILL)
+            process.wait(timeout=30)
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        self.assertEqual(process.returncode, -signal.SIGKILL, "not killed")
+
+        resumed = os.path.join(directory, "resumed.npz")
+        output = run(script("recovery.py", backup, resumed))
+        # It resumed after the last backup (end of epoch 1), not from 0.
+        self.assertEqual(output.split(), ["epoch", "2", "epoch", "3"], output)
+        expected, actual = np.load(reference), np.load(resumed)
+        self.assertEqual(expected.files, actual.files)
+        for key in expected.files:
+            self.assertAllClose(actual[key], expected[key], atol=0, rtol=0)
+
+
+class ParameterServerTest(testing.TestCase):
+    def test_parameter_server_strategy_gets_a_clear_error(self):
+        """Keras 3's fit cannot run under ParameterServerStrategy; a mixin
+        model says so at construction, naming the strategy and the fix."""
+        plain = run(script("parameter_server.py", "plain")).splitlines()[-1]
+        self.assertIn("create_per_worker_dataset", plain)  # Keras' own error
+        mixin = run(script("parameter_server.py", "mixin")).splitlines()[-1]
+        self.assertIn("cannot train under ParameterServerStrategy", mixin)
+        self.assertIn("Received: strategy=ParameterServerStrategy", mixin)

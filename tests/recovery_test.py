@@ -74,8 +74,11 @@ class RecoveryTest(testing.TestCase):
         self.assertEqual(output.split(), ["epoch", "2", "epoch", "3"], output)
         expected, actual = np.load(reference), np.load(resumed)
         self.assertEqual(expected.files, actual.files)
+        # Not bitwise: a fresh process may differ in the last bit of a few
+        # weights (seen once in about ten runs, 3e-8). Losing the optimizer
+        # state or a batch on resume moves the weights by ~1e-3.
         for key in expected.files:
-            self.assertAllClose(actual[key], expected[key], atol=0, rtol=0)
+            self.assertAllClose(actual[key], expected[key], atol=1e-6)
 
 
 class ParameterServerTest(testing.TestCase):

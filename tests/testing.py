@@ -1,5 +1,7 @@
 """Shared test helpers: a Keras-like TestCase, tiny models and data."""
 
+import functools
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -45,6 +47,20 @@ class TestCase(parameterized.TestCase):
         )
 
 
+@functools.cache
+def mirrored_strategy():
+    """Returns the session's one MirroredStrategy over the two logical CPUs.
+
+    Every new `MirroredStrategy` numbers its collective ops from the same
+    start (group 1, instance 100), and TensorFlow's runtime remembers the
+    shapes of the collectives it has run: a second strategy in the same
+    process can reuse a number with another shape and abort ("Shape
+    mismatch in the collective instance 100"). One shared strategy keeps
+    counting instead.
+    """
+    return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+
+
 def _is_list_of_arrays(value):
     """True for a list or tuple whose items are arrays, tensors or lists."""
     return isinstance(value, (list, tuple)) and any(
@@ -85,6 +101,21 @@ def mlp(model_class=keras.Model, features=4, classes=3, seed=1, **kwargs):
 def sparse_crossentropy():
     """Returns the loss used with `mlp` (logits, integer labels)."""
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def fit_one_epoch_sgd(
+    model, x, y, batch_size, optimizer_kwargs=None, **compile_kwargs
+):
+    """Compiles with SGD(0.1) and `sparse_crossentropy`, trains one epoch
+    in order (no shuffle); returns the history dict."""
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1, **(optimizer_kwargs or {})),
+        loss=sparse_crossentropy(),
+        **compile_kwargs,
+    )
+    return model.fit(
+        x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0
+    ).history
 
 
 def weights_after_one_sgd_step(weights, gradients, learning_rate):

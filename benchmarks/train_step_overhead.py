@@ -5,7 +5,10 @@ configuration is built once, warmed up (tracing, XLA compilation), then timed
 in interleaved rounds whose order rotates, so drift of the machine hits all
 configurations alike. Reported per configuration: the median over rounds of
 the process CPU time per step and of the wall time per step, and their
-ratios to plain `keras.Model.fit` at the same setting. With `--memory`, each
+ratios to plain `keras.Model.fit` at the same setting. Each round is one
+`fit` call, timed from inside (a callback at the end of each execution of
+the train function), so `fit`'s per-call set-up is not counted; the loops
+likewise skip their first step. With `--memory`, each
 configuration also runs alone in a child process, whose peak resident memory
 is reported.
 
@@ -26,6 +29,7 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
+import collections  # noqa: E402
 import datetime  # noqa: E402
 import platform  # noqa: E402
 import resource  # noqa: E402
@@ -58,6 +62,12 @@ _CONFIGURATIONS = flags.DEFINE_list(
 )
 _MEMORY = flags.DEFINE_bool(
     "memory", False, "Also measure peak memory, one child process each."
+)
+_OP_COUNTS = flags.DEFINE_bool(
+    "op_counts",
+    False,
+    "Instead of timing, count the ops of each traced train_step graph "
+    "(noise-free: what each configuration adds to a step).",
 )
 _MEMORY_CHILD = flags.DEFINE_string(
     "memory_child", "", "Internal: workload,configuration,jit,spe to run."
@@ -176,16 +186,44 @@ def dataset(workload):
     return data.repeat().prefetch(tf.data.AUTOTUNE)
 
 
+class StepClock(keras.callbacks.Callback):
+    """Records process CPU and wall time at the end of each execution."""
+
+    def __init__(self):
+        super().__init__()
+        self.marks = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        """Keras calls this once per `steps_per_execution` steps."""
+        self.marks.append((batch, time.process_time(), time.perf_counter()))
+
+
 class FitRunner:
-    """Runs `steps` training steps with `model.fit`."""
+    """Runs training steps with `model.fit`, timing them from inside."""
 
     def __init__(self, model, data):
         self.model = model
         self.data = data
 
     def __call__(self, steps):
-        """Trains `steps` steps."""
-        self.model.fit(self.data, epochs=1, steps_per_epoch=steps, verbose=0)
+        """Trains `steps` steps; returns (CPU s, wall s, steps timed).
+
+        The clock starts at the end of the first execution, so `fit`'s own
+        set-up (callbacks, iterator) and the first call are not counted.
+        """
+        clock = StepClock()
+        self.model.fit(
+            self.data,
+            epochs=1,
+            steps_per_epoch=steps,
+            verbose=0,
+            callbacks=[clock],
+        )
+        (first, cpu0, wall0), (last, cpu1, wall1) = (
+            clock.marks[0],
+            clock.marks[-1],
+        )
+        return cpu1 - cpu0, wall1 - wall0, last - first
 
 
 class LoopRunner:
@@ -214,20 +252,23 @@ class LoopRunner:
         return loss
 
     def __call__(self, steps):
-        """Trains `steps` steps and waits for the last one."""
-        for _ in range(steps):
+        """Trains `steps` steps; returns (CPU s, wall s, steps timed).
+
+        As for `fit`, the first step is not timed; the clock stops when
+        the last step's loss is on the host.
+        """
+        float(self.compiled_step(*next(self.iterator)))
+        cpu, wall = time.process_time(), time.perf_counter()
+        for _ in range(steps - 1):
             loss = self.compiled_step(*next(self.iterator))
         float(loss)  # wait for the last step, as fit does
+        return time.process_time() - cpu, time.perf_counter() - wall, steps - 1
 
 
 def time_per_step(runner, steps):
-    """Returns (CPU seconds, wall seconds) per step for one call."""
-    wall, cpu = time.perf_counter(), time.process_time()
-    runner(steps)
-    return (
-        (time.process_time() - cpu) / steps,
-        (time.perf_counter() - wall) / steps,
-    )
+    """Returns (CPU seconds, wall seconds) per timed step of one call."""
+    cpu, wall, timed = runner(steps)
+    return cpu / timed, wall / timed
 
 
 def runners(workload, jit_compile, steps_per_execution, names):
@@ -294,10 +335,54 @@ def run_memory_child(spec):
     print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
 
 
+def train_step_ops(workload, configuration):
+    """Returns a Counter of op types in the traced `train_step` graph.
+
+    Ops inside functions of the graph's library (the branches of a
+    `tf.cond`) are counted too.
+    """
+    model = build_fit(workload, configuration, False, 1)
+    data = dataset(workload)
+    model.fit(data, epochs=1, steps_per_epoch=1, verbose=0)  # builds all
+    specs = data.element_spec
+    graph = tf.function(model.train_step).get_concrete_function(specs).graph
+    definition = graph.as_graph_def()
+    nodes = list(definition.node)
+    for function in definition.library.function:
+        nodes.extend(function.node_def)
+    return collections.Counter(node.op for node in nodes)
+
+
+def print_op_counts(workloads, names):
+    """Prints, per configuration, its op count and the ops it adds."""
+    for workload in workloads:
+        print(f"\n## {workload}: ops in the traced train_step graph\n")
+        print("| configuration | ops | vs keras | ops added (top 6) |")
+        print("|---|---|---|---|")
+        base = train_step_ops(workload, "keras")
+        for name in names:
+            if name not in FIT_CONFIGURATIONS:
+                continue
+            ops = base if name == "keras" else train_step_ops(workload, name)
+            added = (ops - base).most_common(6)
+            described = ", ".join(f"{op} {count}" for op, count in added)
+            total, extra = (
+                sum(ops.values()),
+                sum(ops.values()) - sum(base.values()),
+            )
+            print(f"| {name} | {total} | {extra:+d} | {described or '-'} |")
+
+
 def main(argv):
     del argv
     if _MEMORY_CHILD.value:
         run_memory_child(_MEMORY_CHILD.value)
+        return
+    if _OP_COUNTS.value:
+        print_op_counts(
+            _WORKLOADS.value,
+            _CONFIGURATIONS.value or list(FIT_CONFIGURATIONS),
+        )
         return
     names = _CONFIGURATIONS.value or (
         list(FIT_CONFIGURATIONS) + list(LOOP_CONFIGURATIONS)

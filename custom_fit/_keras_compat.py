@@ -73,7 +73,9 @@ def track_loss(model, loss, x, counted=None):
             is left out of the mean (a skipped step).
     """
     weight = batch_size(x, loss.dtype)
-    loss = loss * tf.cast(pipeline.replica_count(), loss.dtype)
+    replicas = pipeline.replica_count()
+    if replicas > 1:  # as Keras' unscale_loss_for_distribution: no op on one
+        loss = loss * tf.cast(replicas, loss.dtype)
     if counted is not None:
         loss = tf.where(counted, loss, tf.zeros_like(loss))
         weight = weight * tf.cast(counted, weight.dtype)

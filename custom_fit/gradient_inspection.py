@@ -4,6 +4,7 @@ import numpy as np
 import tensorflow as tf
 
 from custom_fit import _options
+from custom_fit import _state
 from custom_fit import _validation
 from custom_fit import clipping
 from custom_fit import inspection
@@ -121,9 +122,13 @@ class GradientInspectionMixin(TrainStepMixin):
 
     # In the step.
 
-    def inspect_gradients(self, gradients, transformed_gradients, variables):
+    def inspect_gradients(
+        self, gradients, transformed_gradients, variables, optimizer=None
+    ):
         """Logs the global norms and records the per-layer statistics."""
-        super().inspect_gradients(gradients, transformed_gradients, variables)
+        super().inspect_gradients(
+            gradients, transformed_gradients, variables, optimizer=optimizer
+        )
         owners = self.layer_names_of(variables)
         self._create_inspection_state(owners, variables)
         layers = self._inspected_layers
@@ -152,14 +157,20 @@ class GradientInspectionMixin(TrainStepMixin):
                 if g is not None:
                     kept.assign(tf.cast(tf.convert_to_tensor(g), kept.dtype))
 
-        self._on_inspected_steps(record)
+        self._on_inspected_steps(record, optimizer)
 
-    def apply_gradients(self, gradients, variables, finite=None):
+    def apply_gradients(
+        self, gradients, variables, finite=None, optimizer=None
+    ):
         """Applies the gradients; records update ratios if requested."""
         if "update_ratio" not in self.gradient_statistics:
-            return super().apply_gradients(gradients, variables, finite)
+            return super().apply_gradients(
+                gradients, variables, finite, optimizer=optimizer
+            )
         before = [tf.identity(tf.convert_to_tensor(v)) for v in variables]
-        super().apply_gradients(gradients, variables, finite)
+        super().apply_gradients(
+            gradients, variables, finite, optimizer=optimizer
+        )
         after = [tf.convert_to_tensor(v) for v in variables]
         owners = self.layer_names_of(variables)
 
@@ -170,14 +181,18 @@ class GradientInspectionMixin(TrainStepMixin):
                 )
             )
 
-        self._on_inspected_steps(record)
+        self._on_inspected_steps(record, optimizer)
 
-    def _on_inspected_steps(self, record):
-        """Runs `record` on the steps selected by `inspect_every`."""
+    def _on_inspected_steps(self, record, optimizer):
+        """Runs `record` on the steps selected by `inspect_every`.
+
+        The step is the update count of `optimizer` (by default the
+        model's).
+        """
         if self.inspect_every == 1:
             record()
             return
-        step = self.optimizer.iterations
+        step = (optimizer or self.optimizer).iterations
         tf.cond(
             tf.equal(step % self.inspect_every, 0),
             lambda: record() or tf.constant(True),
@@ -198,7 +213,7 @@ class GradientInspectionMixin(TrainStepMixin):
         names = ("norm",) + tuple(self.gradient_statistics)
         with tf.init_scope():
             for name in names:
-                self._inspection_state[name] = _local_variable(
+                self._inspection_state[name] = _state.local_variable(
                     tf.zeros(len(layers)), name
                 )
             if self.keep_gradients:
@@ -206,20 +221,9 @@ class GradientInspectionMixin(TrainStepMixin):
                     self._kept_gradients.append(
                         (
                             owner,
-                            _local_variable(
+                            _state.local_variable(
                                 tf.zeros(variable.shape, tf.float32),
                                 "kept_gradient",
                             ),
                         )
                     )
-
-
-def _local_variable(initial_value, name):
-    """Returns a non-trainable variable each replica writes on its own."""
-    return tf.Variable(
-        initial_value,
-        trainable=False,
-        synchronization=tf.VariableSynchronization.ON_READ,
-        aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
-        name=name,
-    )

@@ -175,38 +175,7 @@ def apply_true_gradients(optimizer, gradients, variables, finite=None):
     if finite is None or is_loss_scale_optimizer:
         optimizer.apply(gradients, variables)
     else:
-        _apply_if(finite, optimizer, gradients, variables)
-
-
-def _apply_if(finite, optimizer, gradients, variables):
-    """Runs `optimizer.apply` only when `finite` is true.
-
-    Under `tf.distribute`, `optimizer.apply` synchronises replicas with a
-    `merge_call`, which may not sit in a `tf.cond` branch in replica
-    context; the condition is then evaluated in cross-replica context, as
-    `LossScaleOptimizer` does.
-    """
-    if not tf.distribute.has_strategy():
-        tf.cond(
-            finite,
-            lambda: optimizer.apply(gradients, variables),
-            lambda: None,
-        )
-        return
-
-    def cross_replica(strategy, gradients, finite):
-        first_finite = strategy.experimental_local_results(finite)[0]
-
-        def apply_on_each_replica():
-            strategy.extended.call_for_each_replica(
-                optimizer.apply, args=(gradients, variables)
-            )
-
-        tf.cond(first_finite, apply_on_each_replica, lambda: None)
-
-    tf.distribute.get_replica_context().merge_call(
-        cross_replica, args=(gradients, finite)
-    )
+        run_if(finite, lambda: optimizer.apply(gradients, variables))
 
 
 def optimizer_clipping(optimizer):
@@ -227,3 +196,80 @@ def optimizer_clipping(optimizer):
         if value:
             found[name] = value
     return found
+
+
+def run_if(condition, function):
+    """Runs `function()` only when `condition` is true, on every replica.
+
+    Outside `tf.distribute` this is a `tf.cond`. Under a strategy, the
+    optimizer's `apply` synchronises replicas with a `merge_call`, which may
+    not sit in a `tf.cond` branch in replica context; the condition (the
+    same on every replica) is then evaluated in cross-replica context, as
+    `LossScaleOptimizer` does, and `function` runs on each replica.
+
+    Args:
+        condition: Boolean scalar tensor, the same on every replica.
+        function: Callable without arguments; its return value is dropped.
+    """
+
+    def run():
+        function()
+        return tf.constant(True)
+
+    def skip():
+        return tf.constant(False)
+
+    if _outside_replica_context():
+        tf.cond(condition, run, skip)
+        return
+
+    def run_on_each_replica():
+        strategy = tf.distribute.get_strategy()
+        strategy.extended.call_for_each_replica(function)
+        return tf.constant(True)
+
+    def cross_replica(strategy, condition):
+        first = strategy.experimental_local_results(condition)[0]
+        tf.cond(first, run_on_each_replica, skip)
+
+    tf.distribute.get_replica_context().merge_call(
+        cross_replica, args=(condition,)
+    )
+
+
+def assign_variables(variables, values):
+    """Assigns `values` to model variables, in replica context too.
+
+    Keras model variables are mirrored under `tf.distribute` and refuse a
+    plain `assign` in replica context; the values (the same on every
+    replica) are then written through the strategy, as the optimizer does.
+
+    Args:
+        variables: List of variables.
+        values: List of tensors aligned with `variables`.
+    """
+    if _outside_replica_context():
+        for variable, value in zip(variables, values):
+            variable.assign(value)
+        return
+
+    def cross_replica(strategy, values):
+        for variable, value in zip(variables, values):
+            strategy.extended.update(
+                getattr(variable, "value", variable),
+                lambda target, new: target.assign(new),
+                args=(value,),
+                group=False,
+            )
+
+    tf.distribute.get_replica_context().merge_call(
+        cross_replica, args=(list(values),)
+    )
+
+
+def _outside_replica_context():
+    """Returns whether no strategy's replica context is current."""
+    return (
+        not tf.distribute.has_strategy()
+        or tf.distribute.in_cross_replica_context()
+    )

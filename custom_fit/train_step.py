@@ -8,8 +8,14 @@ import tensorflow as tf
 from custom_fit import _keras_compat
 from custom_fit import _options
 from custom_fit import _validation
+from custom_fit import accumulation
 from custom_fit import clipping
 from custom_fit import pipeline
+
+# The models whose train or test function is running, innermost last, with
+# the kind of step ("train" or "test"). A module global, not a context
+# variable: MirroredStrategy traces each replica in a thread of its own.
+_DRIVERS = []
 
 
 class TrainStepMixin:
@@ -24,13 +30,22 @@ class TrainStepMixin:
     with tf.GradientTape() as tape:
         y_pred = self.forward_pass(x, training=True)
         loss = self.compute_loss(x, y, y_pred, sample_weight, training=True)
-        scaled_loss = self.optimizer.scale_loss(loss)
-    gradients = self.compute_gradients(tape, scaled_loss, variables)
-    transformed = self.transform_gradients(gradients, variables)
-    self.inspect_gradients(gradients, transformed, variables)
-    self.apply_gradients(transformed, variables, finite)
+    self.minimize(loss, tape)  # the gradient pipeline, below
     return self.compute_metrics(x, y, y_pred, sample_weight)
+
+    # minimize(loss, tape, variables, optimizer):
+    scaled_loss = optimizer.scale_loss(loss)
+    gradients = self.compute_gradients(tape, scaled_loss, variables, optimizer)
+    # (averaged over micro-batches with gradient_accumulation_steps)
+    transformed = self.transform_gradients(gradients, variables)
+    self.inspect_gradients(gradients, transformed, variables, optimizer)
+    self.apply_gradients(transformed, variables, finite, optimizer)
     ```
+
+    `minimize` is public: a custom `train_step` with several networks and
+    optimizers (a GAN) calls it once per network, and each network's own
+    options and hooks (clipping, inspection, the non-finite guard) apply to
+    its update.
 
     `compute_gradients` returns the *true* gradients: the loss scale of
     mixed precision is divided out, and under `tf.distribute` they are
@@ -58,6 +73,14 @@ class TrainStepMixin:
             after which training stops with a `RuntimeError`. Checked after
             each call of the train function (every `steps_per_execution`
             steps). Defaults to 20; `None` for no limit.
+        gradient_accumulation_steps: Integer or `None`. Average the true
+            gradients of this many consecutive batches and update once, with
+            the average: `transform_gradients` (clipping) and
+            `inspect_gradients` run once per update, on the average, never
+            per batch. `optimizer.iterations` counts updates. Use it instead
+            of the optimizer argument of the same name, which custom_fit
+            refuses because it would transform each batch's gradient.
+            Defaults to `None` (update at every batch).
 
     Example:
     ```python
@@ -76,6 +99,9 @@ class TrainStepMixin:
     max_consecutive_skipped_steps = _options.Option(
         20, _validation.positive_int_or_none
     )
+    gradient_accumulation_steps = _options.Option(
+        None, _validation.positive_int_or_none
+    )
 
     def __init__(self, *args, **kwargs):
         _refuse_parameter_server_strategy()
@@ -92,7 +118,10 @@ class TrainStepMixin:
             # Kept out of Keras' attribute tracking, which refuses new state
             # on a built model; `metrics` below lists them instead.
             self.__dict__["_step_metrics"] = {}
-            self.__dict__["_step_metrics_reported"] = set()
+            # Log key -> kinds of step ("train", "test") that report it.
+            self.__dict__["_step_metric_kinds"] = {}
+            self.__dict__["_accumulators"] = {}
+            self.__dict__["_muted_reports"] = False
         if self.skip_nonfinite and not hasattr(
             self, "_consecutive_skipped_steps"
         ):
@@ -118,7 +147,7 @@ class TrainStepMixin:
         """
         return _keras_compat.call_model(self, x, training=training)
 
-    def compute_gradients(self, tape, scaled_loss, variables):
+    def compute_gradients(self, tape, scaled_loss, variables, optimizer=None):
         """Returns the true gradients. Runs after the loss, inside the step.
 
         The result is no longer loss-scaled and, under `tf.distribute`, is
@@ -129,12 +158,14 @@ class TrainStepMixin:
             scaled_loss: The loss after `optimizer.scale_loss`.
             variables: The variables to differentiate (by default
                 `self.trainable_variables`).
+            optimizer: The optimizer of this update (by default
+                `self.optimizer`); its loss scale is divided out.
 
         Returns:
             A list aligned with `variables`.
         """
         return pipeline.compute_true_gradients(
-            tape, scaled_loss, variables, self.optimizer
+            tape, scaled_loss, variables, optimizer or self.optimizer
         )
 
     def transform_gradients(self, gradients, variables):
@@ -155,36 +186,47 @@ class TrainStepMixin:
         del variables
         return gradients
 
-    def apply_gradients(self, gradients, variables, finite=None):
+    def apply_gradients(
+        self, gradients, variables, finite=None, optimizer=None
+    ):
         """Updates the variables. Runs after `transform_gradients`.
 
         The gradients received are true (not loss-scaled, summed across
-        replicas); see `custom_fit.pipeline.apply_true_gradients`.
+        replicas); see `custom_fit.pipeline.apply_true_gradients`. With
+        `gradient_accumulation_steps`, it runs only on update steps.
 
         Args:
             gradients: List aligned with `variables`.
             variables: The variables to update.
             finite: Boolean scalar tensor or `None`. When given and `False`,
                 the step is skipped.
+            optimizer: The optimizer of this update (by default
+                `self.optimizer`).
         """
         pipeline.apply_true_gradients(
-            self.optimizer, gradients, variables, finite=finite
+            optimizer or self.optimizer, gradients, variables, finite=finite
         )
 
-    def inspect_gradients(self, gradients, transformed_gradients, variables):
+    def inspect_gradients(
+        self, gradients, transformed_gradients, variables, optimizer=None
+    ):
         """Looks at the gradients. Runs after `transform_gradients`.
 
         Called before `apply_gradients`, whatever the order of the mixins,
         with both the true gradients (not loss-scaled, summed across
         replicas, not yet transformed) and the transformed ones. It must not
-        change them; this base implementation does nothing.
+        change them; this base implementation does nothing. With
+        `gradient_accumulation_steps`, it runs only on update steps, with
+        the averaged gradients.
 
         Args:
             gradients: The true gradients, aligned with `variables`.
             transformed_gradients: The output of `transform_gradients`.
             variables: The variables the gradients belong to.
+            optimizer: The optimizer of this update (by default
+                `self.optimizer`).
         """
-        del gradients, transformed_gradients, variables
+        del gradients, transformed_gradients, variables, optimizer
 
     def layer_names_of(self, variables):
         """Returns, for each variable, the name of its entry in `self.layers`.
@@ -203,10 +245,161 @@ class TrainStepMixin:
                 owners.setdefault(id(variable), layer.name)
         return [owners.get(id(variable), self.name) for variable in variables]
 
+    # The gradient pipeline, public for custom steps.
+
+    def minimize(self, loss, tape, variables=None, optimizer=None):
+        """Runs the gradient pipeline of this model for one loss.
+
+        This is the building block of every custom_fit step: from a loss
+        recorded on a tape to the optimizer update, through this model's
+        hooks and options. `compute_gradients` (true gradients: loss scale
+        divided out, summed across replicas), gradient accumulation,
+        `transform_gradients` (clipping, your overrides),
+        `inspect_gradients`, the non-finite guard (`skip_nonfinite`), then
+        `apply_gradients`. `train_step` calls it once; a custom `train_step`
+        with several networks calls it once per network, on that network,
+        with that network's optimizer:
+
+        ```python
+        self.discriminator.minimize(d_loss, d_tape, optimizer=self.d_optimizer)
+        ```
+
+        Metrics that the network's hooks report (`grad_norm`, ...) are then
+        logged under the network's name, `discriminator_grad_norm`, by the
+        model whose `fit` runs, if that model is a custom_fit model.
+
+        Call it inside a training step (in the replica context under
+        `tf.distribute`).
+
+        Args:
+            loss: Scalar tensor recorded by `tape`, as Keras' losses
+                compute it: a mean over this replica's batch which, under
+                `tf.distribute`, Keras' loss objects and `compute_loss`
+                divide by the replica count. Not loss-scaled: this method
+                calls `optimizer.scale_loss` itself.
+            tape: The `tf.GradientTape` that recorded `loss` (it may still
+                be recording, or have stopped).
+            variables: List of the variables to update. Defaults to
+                `self.trainable_variables`.
+            optimizer: The optimizer to update them with. Defaults to
+                `self.optimizer`.
+
+        Returns:
+            `None` when the update is applied unconditionally (a
+            `LossScaleOptimizer` may still skip it, as in Keras); otherwise
+            a boolean scalar tensor, true when this call changed the
+            variables (false on a skipped non-finite step, or on a
+            micro-batch of gradient accumulation).
+
+        Raises:
+            ValueError: If there is no optimizer, or the optimizer has its
+                own `gradient_accumulation_steps`.
+        """
+        return self._minimize(loss, tape, variables, optimizer)[0]
+
+    def _minimize(self, loss, tape, variables, optimizer):
+        """`minimize`, also returning whether this batch's loss counts.
+
+        Returns a tuple `(applied, counted)`: `applied` as `minimize`
+        returns it; `counted`, with `skip_nonfinite`, a boolean tensor that
+        is false when this batch's own gradients are not finite (its loss
+        then stays out of the epoch mean), else `None`.
+        """
+        optimizer = self._checked_optimizer(optimizer)
+        if variables is None:
+            variables = self.trainable_variables
+        variables = list(variables)
+        self._warn_about_optimizer_clipping(optimizer)
+        with tape:
+            scaled_loss = optimizer.scale_loss(loss)
+        gradients = self.compute_gradients(
+            tape, scaled_loss, variables, optimizer=optimizer
+        )
+        counted = None
+        is_update = None
+        if self.gradient_accumulation_steps not in (None, 1):
+            if self.skip_nonfinite:
+                counted = clipping.all_finite(gradients)
+            accumulator = self._accumulator(variables)
+            gradients, is_update = accumulator.accumulate(gradients)
+
+        check = self.skip_nonfinite or isinstance(
+            optimizer, keras.optimizers.LossScaleOptimizer
+        )
+        finite = clipping.all_finite(gradients) if check else None
+        transformed = self.transform_gradients(gradients, variables)
+        if self.skip_nonfinite:
+            finite = tf.logical_and(finite, clipping.all_finite(transformed))
+            if counted is None:
+                counted = finite
+
+        def inspect():
+            self.inspect_gradients(
+                gradients, transformed, variables, optimizer=optimizer
+            )
+
+        def apply():
+            self.apply_gradients(
+                transformed, variables, finite=finite, optimizer=optimizer
+            )
+
+        if is_update is None:
+            inspect()
+            apply()
+            applied = finite if self.skip_nonfinite else None
+        else:
+            tf.cond(
+                is_update,
+                lambda: inspect() or tf.constant(True),
+                lambda: tf.constant(False),
+            )
+            pipeline.run_if(is_update, apply)
+            applied = is_update
+            if self.skip_nonfinite:
+                applied = tf.logical_and(is_update, finite)
+        if self.skip_nonfinite:
+            skipped = tf.logical_not(finite)
+            if is_update is not None:
+                skipped = tf.logical_and(is_update, skipped)
+            self._record_skipped_step(skipped, is_update)
+        return applied, counted
+
+    def _checked_optimizer(self, optimizer):
+        """Returns the optimizer of an update, refusing unusable ones."""
+        optimizer = optimizer or getattr(self, "optimizer", None)
+        if optimizer is None:
+            raise ValueError(
+                "`minimize` needs an optimizer. Received: optimizer=None and "
+                f"the model {self.name!r} has none. Compile the model, or "
+                "pass optimizer=... to `minimize`."
+            )
+        inner = getattr(optimizer, "inner_optimizer", optimizer)
+        steps = getattr(inner, "gradient_accumulation_steps", None)
+        if steps:
+            raise ValueError(
+                "The optimizer accumulates gradients itself, after "
+                "custom_fit's transforms, so clipping and inspection would "
+                "act on each micro-batch instead of the accumulated "
+                "gradient. Received: optimizer with "
+                f"gradient_accumulation_steps={steps}. Remove it from the "
+                "optimizer and pass gradient_accumulation_steps="
+                f"{steps} to the model's constructor instead."
+            )
+        return optimizer
+
+    def _accumulator(self, variables):
+        """Returns the gradient accumulator of `variables`, made once."""
+        key = tuple(id(variable) for variable in variables)
+        if key not in self._accumulators:
+            self._accumulators[key] = accumulation.GradientAccumulator(
+                variables, self.gradient_accumulation_steps
+            )
+        return self._accumulators[key]
+
     # The step.
 
     def train_step(self, data):
-        """Runs one training step: the hooks above, then the metrics.
+        """Runs one training step: forward pass, loss, `minimize`, metrics.
 
         Args:
             data: A batch, as produced by the data adapter of `fit`.
@@ -215,58 +408,50 @@ class TrainStepMixin:
             A dict of metric results, as `keras.Model.train_step` returns.
         """
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        self._step_metrics_reported.clear()
         with tf.GradientTape() as tape:
             y_pred = self.forward_pass(x, training=True)
             loss = _keras_compat.compute_loss(
                 self, x, y, y_pred, sample_weight, training=True
             )
-            scaled_loss = loss
-            if self.optimizer is not None:
-                scaled_loss = self.optimizer.scale_loss(loss)
+        counted = self._minimize_if_trainable(loss, tape)
+        return self._end_train_step(x, y, y_pred, sample_weight, loss, counted)
 
-        variables = self.trainable_variables
-        finite = None
-        if variables:
-            self._warn_about_optimizer_clipping()
-            finite = self._run_gradient_pipeline(tape, scaled_loss, variables)
-        else:
-            warnings.warn(
-                "The model does not have any trainable weights.", stacklevel=2
-            )
-        # A skipped step does not count towards the epoch's mean loss.
-        counted = finite if self.skip_nonfinite else None
-        _keras_compat.track_loss(self, loss, x, counted=counted)
-        logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-        return self._without_unreported_step_metrics(logs)
+    def _minimize_if_trainable(self, loss, tape):
+        """Runs `_minimize`; warns as Keras does without trainable weights.
 
-    def _run_gradient_pipeline(self, tape, scaled_loss, variables):
-        """Compute -> transform -> apply, with the non-finite check.
-
-        Returns the boolean tensor `finite`, or `None` when not checked.
+        Returns `counted` (see `_minimize`).
         """
-        gradients = self.compute_gradients(tape, scaled_loss, variables)
-        check = self.skip_nonfinite or isinstance(
-            self.optimizer, keras.optimizers.LossScaleOptimizer
-        )
-        finite = clipping.all_finite(gradients) if check else None
-        transformed = self.transform_gradients(gradients, variables)
-        if self.skip_nonfinite:
-            finite = tf.logical_and(finite, clipping.all_finite(transformed))
-        self.inspect_gradients(gradients, transformed, variables)
-        self.apply_gradients(transformed, variables, finite=finite)
-        if self.skip_nonfinite:
-            self._record_skipped_step(tf.logical_not(finite))
-        return finite
+        if not self.trainable_variables:
+            warnings.warn(
+                "The model does not have any trainable weights.", stacklevel=3
+            )
+            return None
+        return self._minimize(loss, tape, None, None)[1]
 
-    def _record_skipped_step(self, skipped):
-        """Counts a skipped step in the metric and the consecutive counter."""
+    def _end_train_step(self, x, y, y_pred, sample_weight, loss, counted):
+        """Tracks the loss, updates the compiled metrics, returns the logs.
+
+        A batch whose loss is not `counted` (a skipped step) stays out of
+        the epoch's mean loss.
+        """
+        self._track_loss(loss, x, counted)
+        logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        return _keras_compat.reducible_logs(self, logs)
+
+    def _record_skipped_step(self, skipped, is_update=None):
+        """Counts a skipped step in the metric and the consecutive counter.
+
+        With gradient accumulation, only update steps (`is_update`) change
+        the consecutive counter.
+        """
         self.report_metric(
             "skipped_steps", tf.cast(skipped, tf.float32), reduction="sum"
         )
         count = self._consecutive_skipped_steps
         limit = self.max_consecutive_skipped_steps
         new_count = tf.where(skipped, count + 1, tf.zeros_like(count))
+        if is_update is not None:
+            new_count = tf.where(is_update, new_count, count)
         if limit is not None:
             # Past the limit the count stays put until the host reads it, so
             # a streak inside one `steps_per_execution` call is not lost.
@@ -284,14 +469,20 @@ class TrainStepMixin:
             training (such as `skipped_steps`).
         """
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        self._step_metrics_reported.clear()
         y_pred = self.forward_pass(x, training=False)
         loss = _keras_compat.compute_loss(
             self, x, y, y_pred, sample_weight, training=False
         )
-        _keras_compat.track_loss(self, loss, x)
+        self._track_loss(loss, x)
         logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-        return self._without_unreported_step_metrics(logs)
+        return _keras_compat.reducible_logs(self, logs)
+
+    def _track_loss(self, loss, x, counted=None):
+        """Updates Keras' `loss` metric and notes that this step logs it."""
+        _keras_compat.track_loss(self, loss, x, counted=counted)
+        driver, kind = _DRIVERS[-1] if _DRIVERS else (None, None)
+        kinds = self._step_metric_kinds.setdefault("loss", set())
+        kinds.add((id(driver), kind))
 
     # Metrics reported from inside the step.
 
@@ -305,6 +496,12 @@ class TrainStepMixin:
         every Keras metric, at the start of each epoch and of each
         `evaluate()`. A metric reported only in `train_step` does not appear
         in validation logs, and the other way round.
+
+        When this model is a network inside another custom_fit model whose
+        `fit` runs (a GAN's discriminator, updated with `minimize`), the log
+        key is prefixed with this model's name: `discriminator_grad_norm`.
+        The outer model lists such metrics among its own, so Keras logs and
+        resets them.
 
         Args:
             name: String. The log key.
@@ -333,7 +530,10 @@ class TrainStepMixin:
                 return loss
         ```
         """
-        metric = self._step_metric(name, reduction)
+        if self._muted_reports:
+            return
+        key = self._log_key(name)
+        metric = self._step_metric(key, reduction)
         value = _validation.scalar_tensor(value, "The reported metric", name)
         value = tf.cast(value, tf.float32)
         if reduction == "sum":
@@ -343,12 +543,65 @@ class TrainStepMixin:
                 first = tf.equal(context.replica_id_in_sync_group, 0)
                 value = value * tf.cast(first, value.dtype)
         metric.update_state(value, sample_weight=sample_weight)
-        self._step_metrics_reported.add(name)
+        driver, kind = _DRIVERS[-1] if _DRIVERS else (None, None)
+        self._step_metric_kinds.setdefault(key, set()).add((id(driver), kind))
+
+    def _log_key(self, name):
+        """Returns `name`, prefixed when another model drives the step."""
+        if _DRIVERS and _DRIVERS[-1][0] is not self:
+            return f"{self.name}_{name}"
+        return name
 
     @property
     def metrics(self):
-        """The model's metrics, then those created by `report_metric`."""
-        return super().metrics + list(self._step_metrics.values())
+        """The model's metrics, then those of `report_metric`.
+
+        Those of `report_metric` include the ones reported by custom_fit
+        networks inside this model (see `minimize`).
+        """
+        return super().metrics + [
+            metric
+            for model in [self, *self._inner_step_models()]
+            for metric in model._step_metrics.values()
+        ]
+
+    def get_metrics_result(self):
+        """Returns the metric results, as Keras' `get_metrics_result`.
+
+        Inside a train (test) step, metrics of `report_metric` that only the
+        test (train) step reports are left out, so that training logs carry
+        no `val_` figure and the other way round. So is Keras' `loss` when
+        the model was compiled without a loss and the step does not track
+        one (a GAN whose `train_step` reports its own losses).
+
+        Returns:
+            A dict of metric name to result.
+        """
+        logs = super().get_metrics_result()
+        if not _DRIVERS or _DRIVERS[-1][0] is not self:
+            return logs
+        step = (id(self), _DRIVERS[-1][1])
+        unreported = {
+            key
+            for model in [self, *self._inner_step_models()]
+            for key, kinds in model._step_metric_kinds.items()
+            if step not in kinds
+        }
+        if getattr(self, "loss", None) is None:
+            if step not in self._step_metric_kinds.get("loss", ()):
+                unreported.add("loss")
+        return {k: v for k, v in logs.items() if k not in unreported}
+
+    def _inner_step_models(self):
+        """Returns the custom_fit models nested in this one, depth first."""
+        found = []
+        pending = list(getattr(self, "layers", []))
+        while pending:
+            layer = pending.pop(0)
+            if isinstance(layer, TrainStepMixin):
+                found.append(layer)
+            pending.extend(getattr(layer, "layers", []))
+        return found
 
     def _step_metric(self, name, reduction):
         """Returns the metric behind `name`, creating it on first use."""
@@ -380,20 +633,12 @@ class TrainStepMixin:
             )
         return metric
 
-    def _without_unreported_step_metrics(self, logs):
-        """Drops step metrics that the current step did not report."""
-        unreported = set(self._step_metrics) - self._step_metrics_reported
-        logs = {k: v for k, v in logs.items() if k not in unreported}
-        return _keras_compat.reducible_logs(self, logs)
-
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         """Keras' pre-`fit` build, with a MultiWorkerMirroredStrategy fix.
 
         See `_keras_compat.symbolic_build_batch`.
         """
-        if iterator is not None and (
-            _keras_compat.is_multi_worker(self)
-        ):
+        if iterator is not None and (_keras_compat.is_multi_worker(self)):
             data_batch = _keras_compat.symbolic_build_batch(self, iterator)
             iterator = None
         return super()._maybe_symbolic_build(
@@ -412,42 +657,91 @@ class TrainStepMixin:
         if self.train_function is not None and not force:
             return self.train_function
         super().make_train_function(force=force)
-        if self.skip_nonfinite and self.max_consecutive_skipped_steps:
-            self.train_function = self._with_skipped_step_limit(
-                self.train_function
-            )
+        self.train_function = self._with_skipped_step_limit(self.train_function)
+        self.train_function = self._driven(self.train_function, "train")
         return self.train_function
+
+    def make_test_function(self, force=False):
+        """Builds the test function, marking this model as the driver.
+
+        Args:
+            force: Bool. Rebuild even if a test function exists.
+
+        Returns:
+            The test function.
+        """
+        if self.test_function is not None and not force:
+            return self.test_function
+        super().make_test_function(force=force)
+        self.test_function = self._driven(self.test_function, "test")
+        return self.test_function
+
+    def _driven(self, step_function, kind):
+        """Wraps `step_function` to mark this model as the running driver.
+
+        Networks inside it that report metrics while it runs (and traces)
+        prefix them with their names; see `report_metric`.
+        """
+
+        def driven_step_function(iterator):
+            _DRIVERS.append((self, kind))
+            try:
+                return step_function(iterator)
+            finally:
+                _DRIVERS.pop()
+
+        return driven_step_function
 
     def _with_skipped_step_limit(self, train_function):
         """Wraps `train_function` to raise once too many steps were skipped.
 
-        Keras' loop already waits for each call's result, so reading one
-        counter here adds no synchronisation; XLA would drop an in-graph
-        assertion, which is why the check lives on the host.
+        The counters of this model and of the custom_fit networks nested in
+        it (a GAN's discriminator with `skip_nonfinite=True`) are checked.
+        Keras' loop already waits for each call's result, so reading them
+        here adds no synchronisation; XLA would drop an in-graph assertion,
+        which is why the check lives on the host.
         """
-        limit = self.max_consecutive_skipped_steps
+        models = self._skip_limited_models()
+        if not models:
+            return train_function
 
         def checked_train_function(iterator):
             logs = train_function(iterator)
-            count = int(self._consecutive_skipped_steps.numpy())
-            if count > limit:
-                self._consecutive_skipped_steps.assign(0)
-                raise RuntimeError(
-                    f"{count} consecutive training steps had non-finite "
-                    "gradients (NaN or Inf) and were skipped, more than "
-                    f"`max_consecutive_skipped_steps={limit}`. Training "
-                    "stopped. Check the inputs and labels for NaN, lower the "
-                    "learning rate, or clip gradients; pass a larger "
-                    "`max_consecutive_skipped_steps` (or None) to allow "
-                    "longer runs of skipped steps."
-                )
+            for model in models:
+                model._check_skipped_step_limit(model is not self)
             return logs
 
         return checked_train_function
 
-    def _warn_about_optimizer_clipping(self):
+    def _skip_limited_models(self):
+        """Returns this and nested models whose skipped steps are limited."""
+        return [
+            model
+            for model in [self, *self._inner_step_models()]
+            if model.skip_nonfinite and model.max_consecutive_skipped_steps
+        ]
+
+    def _check_skipped_step_limit(self, nested):
+        """Raises `RuntimeError` when the consecutive-skip limit is passed."""
+        limit = self.max_consecutive_skipped_steps
+        count = int(self._consecutive_skipped_steps.numpy())
+        if count <= limit:
+            return
+        self._consecutive_skipped_steps.assign(0)
+        where = f" of the network {self.name!r}" if nested else ""
+        raise RuntimeError(
+            f"{count} consecutive training steps{where} had non-finite "
+            "gradients (NaN or Inf) and were skipped, more than "
+            f"`max_consecutive_skipped_steps={limit}`. Training "
+            "stopped. Check the inputs and labels for NaN, lower the "
+            "learning rate, or clip gradients; pass a larger "
+            "`max_consecutive_skipped_steps` (or None) to allow "
+            "longer runs of skipped steps."
+        )
+
+    def _warn_about_optimizer_clipping(self, optimizer):
         """Warns once if the optimizer's own clipping is wrong or redundant."""
-        found = pipeline.optimizer_clipping(self.optimizer)
+        found = pipeline.optimizer_clipping(optimizer)
         twice = self._clips_gradients()
         if not found or not (twice or pipeline.replica_count() > 1):
             return
@@ -528,9 +822,9 @@ def _refuse_parameter_server_strategy():
         raise ValueError(
             "custom_fit mixins cannot train under ParameterServerStrategy: "
             "Keras 3's TensorFlow trainer has no ClusterCoordinator support, "
-            "so `fit` fails there for plain keras.Model as well (\"To use "
+            'so `fit` fails there for plain keras.Model as well ("To use '
             "this dataset, you need to pass this dataset to "
-            "ClusterCoordinator.create_per_worker_dataset\"). Received: "
+            'ClusterCoordinator.create_per_worker_dataset"). Received: '
             f"strategy={type(strategy).__name__}. Use MirroredStrategy or "
             "MultiWorkerMirroredStrategy instead."
         )

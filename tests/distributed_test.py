@@ -13,7 +13,7 @@ class Net(custom_fit.GradientClippingMixin, keras.Model):
 
 
 def mirrored():
-    return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    return testing.mirrored_strategy()
 
 
 def train(model_class, strategy, optimizer_kwargs, x, y, **model_kwargs):

@@ -139,7 +139,7 @@ class GradientNormsTest(testing.TestCase):
         expected = testing.tape_gradients(
             testing.mlp(), x, y, testing.sparse_crossentropy()
         )
-        with tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]).scope():
+        with testing.mirrored_strategy().scope():
             model = compiled(testing.mlp(Net, keep_gradients=True))
         model.fit(x, y, batch_size=16, verbose=0)
         for layer, norm in norms_of(expected).items():

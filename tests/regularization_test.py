@@ -242,7 +242,7 @@ class MirroredRegularizationTest(testing.TestCase):
         results = []
         for strategy in (
             tf.distribute.get_strategy(),
-            tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]),
+            testing.mirrored_strategy(),
         ):
             with strategy.scope():
                 model = compiled(testing.mlp(Smooth, **options))

@@ -84,7 +84,7 @@ class ReportMetricTest(testing.TestCase):
     def test_sum_counts_once_under_mirrored_strategy(self):
         """Two replicas report the same count; it is counted once."""
         x, y = testing.classification_data(samples=48)
-        with tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]).scope():
+        with testing.mirrored_strategy().scope():
             model = compiled(testing.mlp(TrainOnly))
         history = model.fit(x, y, batch_size=16, verbose=0).history
         self.assertEqual(history["steps_seen"], [3.0])
@@ -92,7 +92,7 @@ class ReportMetricTest(testing.TestCase):
     def test_mean_under_mirrored_strategy_is_global(self):
         """Per-replica means weighted by batch size give the global mean."""
         x, y = testing.classification_data(samples=48)
-        with tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]).scope():
+        with testing.mirrored_strategy().scope():
             model = compiled(testing.mlp(Reporter))
         history = model.fit(x, y, batch_size=16, shuffle=False, verbose=0)
         self.assertAllClose(

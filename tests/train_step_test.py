@@ -1,5 +1,7 @@
 """TrainStepMixin against plain Keras: same weights, same logs."""
 
+import collections
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -255,6 +257,30 @@ class TrainStepParityTest(testing.TestCase):
             history = model.fit(x, y, batch_size=16, verbose=0)
         self.assertIn("loss", history.history)
 
+    def test_traced_step_has_the_same_ops_as_keras(self):
+        """With no option set, the traced train_step graph holds exactly
+        the ops of keras.Model's (same op types, same counts): the mixin
+        costs nothing per step on one device."""
+
+        def op_counts(model_class):
+            keras.backend.clear_session()
+            model = testing.mlp(model_class)
+            model.compile(optimizer="adam", loss=testing.sparse_crossentropy())
+            x, y = testing.classification_data(samples=16)
+            model.fit(x, y, batch_size=16, verbose=0)  # builds everything
+            spec = (
+                tf.TensorSpec((16, 4), tf.float32),
+                tf.TensorSpec((16,), tf.int64),
+            )
+            graph = tf.function(model.train_step).get_concrete_function(spec)
+            definition = graph.graph.as_graph_def()
+            nodes = list(definition.node)
+            for function in definition.library.function:
+                nodes.extend(function.node_def)
+            return collections.Counter(node.op for node in nodes)
+
+        self.assertEqual(op_counts(Net), op_counts(keras.Model))
+
 
 class HookOrderTest(testing.TestCase):
     def test_hooks_run_in_documented_order(self):
@@ -280,17 +306,21 @@ class HookOrderTest(testing.TestCase):
                     x, y, y_pred, sample_weight, training=training
                 )
 
-            def compute_gradients(self, tape, scaled_loss, variables):
+            def compute_gradients(self, tape, scaled_loss, variables, **kw):
                 calls.append(("compute_gradients",))
-                return super().compute_gradients(tape, scaled_loss, variables)
+                return super().compute_gradients(
+                    tape, scaled_loss, variables, **kw
+                )
 
             def transform_gradients(self, gradients, variables):
                 calls.append(("transform_gradients",))
                 return super().transform_gradients(gradients, variables)
 
-            def apply_gradients(self, gradients, variables, finite=None):
+            def apply_gradients(self, gradients, variables, finite=None, **kw):
                 calls.append(("apply_gradients",))
-                return super().apply_gradients(gradients, variables, finite)
+                return super().apply_gradients(
+                    gradients, variables, finite, **kw
+                )
 
             def compute_metrics(self, *args, **kwargs):
                 calls.append(("compute_metrics",))

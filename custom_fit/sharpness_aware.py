@@ -1,0 +1,102 @@
+"""`SharpnessAwareMixin`: SAM's two passes inside `fit`."""
+
+import keras
+import tensorflow as tf
+
+from custom_fit import _keras_compat
+from custom_fit import _options
+from custom_fit import _validation
+from custom_fit import pipeline
+from custom_fit import sharpness
+from custom_fit.train_step import TrainStepMixin
+
+
+class SharpnessAwareMixin(TrainStepMixin):
+    """Sharpness-aware minimization (Foret et al. 2021) with `fit`.
+
+    Each training step runs two forward and backward passes:
+
+    1. the loss and the true gradient `g` at the weights `w`;
+    2. the loss at `w + e`, `e = rho * g / ||g||` (see
+       `custom_fit.sharpness.perturbed_weights`), whose gradient goes
+       through this model's gradient pipeline (`minimize`): clipping and
+       other transforms, inspection, the non-finite guard, then the
+       optimizer updates `w`, restored exactly before the update.
+
+    `g` is the true gradient of the global batch, so under `tf.distribute`
+    every replica takes the same perturbation and the result equals the
+    single-device run (the paper's "m-sharpness" with per-replica
+    perturbations is not what this computes). The logged `loss` and
+    compiled metrics are those of the first pass, at `w`. Metrics that the
+    second pass would report from `compute_loss` (such as the loss
+    components of `RegularizationMixin`) are reported once, from the first
+    pass. Layers with state updated in the forward pass (batch
+    normalization statistics) update it in both passes.
+
+    Args:
+        sam_rho: Float. The radius `rho` of the neighbourhood. Defaults to
+            0.05, the paper's default.
+
+    Example:
+
+    ```python
+    class Net(custom_fit.SharpnessAwareMixin, keras.Model):
+        pass
+
+    inputs = keras.Input((8,))
+    model = Net(inputs, keras.layers.Dense(3)(inputs), sam_rho=0.05)
+    model.compile(optimizer="sgd", loss="mse")
+    ```
+
+    Reference:
+        [Foret et al., 2021](https://arxiv.org/abs/2010.01412),
+        "Sharpness-Aware Minimization for Efficiently Improving
+        Generalization".
+    """
+
+    sam_rho = _options.Option(0.05, _validation.positive_float)
+
+    def train_step(self, data):
+        """Runs SAM's two passes, then tracks the first pass's metrics.
+
+        Args:
+            data: A batch, as produced by the data adapter of `fit`.
+
+        Returns:
+            A dict of metric results.
+        """
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        variables = self.trainable_variables
+        optimizer = self._checked_optimizer(None)
+        with tf.GradientTape() as tape:
+            y_pred, loss = self._forward_and_loss(x, y, sample_weight)
+        with tape:
+            scaled_loss = optimizer.scale_loss(loss)
+        gradients = self.compute_gradients(
+            tape, scaled_loss, variables, optimizer=optimizer
+        )
+        weights = [tf.identity(tf.convert_to_tensor(v)) for v in variables]
+        pipeline.assign_variables(
+            variables,
+            sharpness.perturbed_weights(weights, gradients, self.sam_rho),
+        )
+        self.__dict__["_muted_reports"] = True
+        try:
+            with tf.GradientTape() as perturbed_tape:
+                _, perturbed_loss = self._forward_and_loss(x, y, sample_weight)
+        finally:
+            self.__dict__["_muted_reports"] = False
+        # The tape holds the values read at `w + e`; the update acts on `w`.
+        pipeline.assign_variables(variables, weights)
+        counted = self._minimize(
+            perturbed_loss, perturbed_tape, variables, optimizer
+        )[1]
+        return self._end_train_step(x, y, y_pred, sample_weight, loss, counted)
+
+    def _forward_and_loss(self, x, y, sample_weight):
+        """Returns `(y_pred, loss)` of a training forward pass."""
+        y_pred = self.forward_pass(x, training=True)
+        loss = _keras_compat.compute_loss(
+            self, x, y, y_pred, sample_weight, training=True
+        )
+        return y_pred, loss

@@ -1,0 +1,140 @@
+"""Gradient accumulation: transforms and inspection act once per update."""
+
+import keras
+import numpy as np
+import tensorflow as tf
+from absl.testing import parameterized
+
+import custom_fit
+from tests import testing
+
+
+class Net(
+    custom_fit.GradientClippingMixin,
+    custom_fit.GradientInspectionMixin,
+    keras.Model,
+):
+    pass
+
+
+class AccumulationTest(testing.TestCase):
+    @parameterized.named_parameters(*testing.EXECUTION_MODES)
+    def test_micro_batches_equal_one_big_batch_clipped(self, mode):
+        """4 micro-batches of 8, clipped once, give Keras' update of one
+        batch of 32 with optimizer-level global_clipnorm (one device)."""
+        x, y = testing.classification_data(samples=96)
+        model = testing.mlp(
+            Net, global_clipnorm=0.05, gradient_accumulation_steps=4
+        )
+        testing.fit_one_epoch_sgd(model, x, y, batch_size=8, **mode)
+        reference = testing.mlp()
+        testing.fit_one_epoch_sgd(
+            reference,
+            x,
+            y,
+            batch_size=32,
+            optimizer_kwargs={"global_clipnorm": 0.05},
+        )
+        self.assertWeightsClose(model, reference)
+        self.assertEqual(int(model.optimizer.iterations), 3)
+
+    def test_one_update_against_numpy_clipping(self):
+        """One accumulated update equals SGD with the numpy-clipped big-batch
+        gradient, and is far from clipping each micro-batch (the mistake
+        this avoids), so the comparison can fail."""
+        x, y = testing.classification_data(samples=32)
+        loss_fn = testing.sparse_crossentropy()
+        oracle = testing.mlp()
+        weights = oracle.get_weights()
+
+        def clipped(gradients, max_norm=0.05):
+            norm = np.sqrt(
+                sum(np.sum(g.astype(np.float64) ** 2) for g in gradients)
+            )
+            return [g * min(1.0, max_norm / norm) for g in gradients]
+
+        big = clipped(testing.tape_gradients(oracle, x, y, loss_fn))
+        micro = [
+            clipped(
+                testing.tape_gradients(
+                    oracle, x[i : i + 8], y[i : i + 8], loss_fn
+                )
+            )
+            for i in range(0, 32, 8)
+        ]
+        per_micro_batch = [np.mean(parts, axis=0) for parts in zip(*micro)]
+
+        model = testing.mlp(
+            Net, global_clipnorm=0.05, gradient_accumulation_steps=4
+        )
+        testing.fit_one_epoch_sgd(model, x, y, batch_size=8)
+        expected = testing.weights_after_one_sgd_step(weights, big, 0.1)
+        self.assertAllClose(model.get_weights(), expected)
+        wrong = testing.weights_after_one_sgd_step(
+            weights, per_micro_batch, 0.1
+        )
+        self.assertGreater(
+            max(
+                np.abs(a - b).max() for a, b in zip(model.get_weights(), wrong)
+            ),
+            1e-3,
+        )
+
+    def test_inspection_sees_the_accumulated_gradient(self):
+        """Norms recorded once per update equal the norms of the big
+        batch's gradient, computed with a plain tape."""
+        x, y = testing.classification_data(samples=32)
+        model = testing.mlp(Net, gradient_accumulation_steps=4)
+        oracle = testing.mlp()
+        gradients = testing.tape_gradients(
+            oracle, x, y, testing.sparse_crossentropy()
+        )
+        history = testing.fit_one_epoch_sgd(model, x, y, batch_size=8)
+        hidden = np.sqrt(sum(np.sum(g**2) for g in gradients[:2]))
+        output = np.sqrt(sum(np.sum(g**2) for g in gradients[2:]))
+        self.assertAllClose(
+            [model.gradient_norms["hidden"], model.gradient_norms["output"]],
+            [hidden, output],
+            rtol=1e-5,
+        )
+        # One update in the epoch: the epoch mean is that update's norm.
+        self.assertAllClose(
+            history["grad_norm"][0], np.hypot(hidden, output), rtol=1e-5
+        )
+
+    def test_under_mirrored_strategy_equals_single_device(self):
+        """Accumulated, clipped updates on 2 replicas equal one device."""
+        x, y = testing.classification_data(samples=96)
+        models = []
+        for strategy in (
+            tf.distribute.get_strategy(),
+            testing.mirrored_strategy(),
+        ):
+            with strategy.scope():
+                model = testing.mlp(
+                    Net, global_clipnorm=0.05, gradient_accumulation_steps=2
+                )
+                testing.fit_one_epoch_sgd(model, x, y, batch_size=16)
+            models.append(model)
+        self.assertWeightsClose(*models, atol=2e-6)
+
+    def test_optimizer_accumulation_is_refused(self):
+        """The optimizer's own accumulation would transform micro-batches:
+        a clear error names it and the fix."""
+        x, y = testing.classification_data(samples=16)
+        model = testing.mlp(Net, global_clipnorm=1.0)
+        with self.assertRaisesRegex(
+            ValueError, r"gradient_accumulation_steps=2"
+        ):
+            testing.fit_one_epoch_sgd(
+                model,
+                x,
+                y,
+                batch_size=8,
+                optimizer_kwargs={"gradient_accumulation_steps": 2},
+            )
+
+    @parameterized.parameters(0, -2, 2.5, True, "4")
+    def test_invalid_steps_raise(self, value):
+        with self.assertRaisesRegex(ValueError, r"gradient_accumulation_steps"):
+            testing.mlp(Net, gradient_accumulation_steps=value)

@@ -27,6 +27,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import digits  # noqa: E402  (examples/digits.py)
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+import seed_mlp  # noqa: E402  (examples/seed_mlp.py)
 import tensorflow as tf  # noqa: E402
 from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
@@ -75,10 +76,7 @@ def train(model_class, data, epochs, learning_rate):
     """Trains the seed MLP; returns it, its initial weights and accuracy."""
     (x_train, y_train), (x_val, y_val) = data
     keras.utils.set_random_seed(0)
-    inputs = keras.Input(shape=(x_train.shape[1],))
-    x = keras.layers.Dense(64, activation="relu")(inputs)
-    x = keras.layers.Dense(64, activation="relu")(x)
-    model = model_class(inputs, keras.layers.Dense(10)(x))
+    model = seed_mlp.build(model_class, x_train.shape[1])
     initial = model.get_weights()
     model.compile(
         optimizer=keras.optimizers.SGD(learning_rate, momentum=0.9),

@@ -21,12 +21,13 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import digits  # noqa: E402  (examples/digits.py)
+import gradient_outputs  # noqa: E402  (examples/gradient_outputs.py)
 import keras  # noqa: E402
+import seed_mlp  # noqa: E402  (examples/seed_mlp.py)
 from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
 
 import custom_fit  # noqa: E402
-from custom_fit import callbacks  # noqa: E402
 
 _DATASET = flags.DEFINE_enum(
     "dataset", "digits", digits.DATASETS, "digits (bundled) or mnist."
@@ -65,13 +66,9 @@ def main(argv):
     del argv
     keras.utils.set_random_seed(0)
     (x_train, y_train), (x_val, y_val) = digits.load_dataset(_DATASET.value)
-    inputs = keras.Input(shape=(x_train.shape[1],), name="pixels")
-    x = keras.layers.Dense(64, activation="relu", name="dense_1")(inputs)
-    x = keras.layers.Dense(64, activation="relu", name="dense_2")(x)
-    outputs = keras.layers.Dense(10, name="predictions")(x)
-    model = InspectedMLP(
-        inputs,
-        outputs,
+    model = seed_mlp.build(
+        InspectedMLP,
+        x_train.shape[1],
         global_clipnorm=1.0,
         keep_gradients=True,
         gradient_statistics=["zero_fraction", "update_ratio"],
@@ -82,8 +79,9 @@ def main(argv):
         metrics=["accuracy"],
     )
     os.makedirs(_OUTPUT_DIR.value, exist_ok=True)
-    log_dir = os.path.join(_OUTPUT_DIR.value, "logs")
-    history = callbacks.GradientNormHistory(every_n_batches=_LOG_EVERY.value)
+    callback_list, norm_history = gradient_outputs.inspection_callbacks(
+        _OUTPUT_DIR.value, _LOG_EVERY.value
+    )
     fit_history = model.fit(
         x_train,
         y_train,
@@ -91,25 +89,16 @@ def main(argv):
         epochs=_EPOCHS.value,
         validation_data=(x_val, y_val),
         verbose=2,
-        callbacks=[
-            keras.callbacks.TensorBoard(log_dir),
-            callbacks.GradientTensorBoard(
-                log_dir, update_freq=_LOG_EVERY.value
-            ),
-            history,
-            callbacks.GradientAlarm(action="warn"),
-            PrintNorms(),
-        ],
+        callbacks=[*callback_list, PrintNorms()],
     )
-    png = os.path.join(_OUTPUT_DIR.value, "gradient_norms.png")
-    csv_path = os.path.join(_OUTPUT_DIR.value, "gradient_norms.csv")
-    history.plot(png)
-    history.to_csv(csv_path)
+    png, csv = gradient_outputs.write_norm_history(
+        norm_history, _OUTPUT_DIR.value
+    )
     ratios = model.layer_gradient_statistics["update_ratio"]
     print(f"update/weight ratios: {ratios}")
     accuracy = fit_history.history["val_accuracy"][-1]
     print(f"validation accuracy: {accuracy:.4f}")
-    print(f"wrote {png}, {csv_path} and TensorBoard logs in {log_dir}")
+    print(f"wrote {png}, {csv} and TensorBoard logs in {_OUTPUT_DIR.value}")
 
 
 if __name__ == "__main__":

@@ -88,6 +88,7 @@ def train(strategy, task_index, label):
     import digits  # examples/digits.py
     import keras
     import numpy as np
+    import seed_mlp  # examples/seed_mlp.py
     import tensorflow as tf
 
     import custom_fit
@@ -112,11 +113,7 @@ def train(strategy, task_index, label):
     )
     data = data.with_options(options)
     with strategy.scope():
-        inputs = keras.Input(shape=(x_train.shape[1],))
-        x = keras.layers.Dense(64, activation="relu", name="dense_1")(inputs)
-        x = keras.layers.Dense(64, activation="relu", name="dense_2")(x)
-        outputs = keras.layers.Dense(10, name="predictions")(x)
-        model = Net(inputs, outputs, global_clipnorm=0.5)
+        model = seed_mlp.build(Net, x_train.shape[1], global_clipnorm=0.5)
         model.compile(
             optimizer=keras.optimizers.SGD(0.1),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),

@@ -14,6 +14,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import digits  # noqa: E402  (examples/digits.py)
 import keras  # noqa: E402
+import seed_mlp  # noqa: E402  (examples/seed_mlp.py)
 from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
 
@@ -32,21 +33,14 @@ class ClippedMLP(custom_fit.GradientClippingMixin, keras.Model):
     """A functional model whose true gradients are clipped."""
 
 
-def build_model(features, global_clipnorm):
-    """Returns the seed MLP with global-norm clipping."""
-    inputs = keras.Input(shape=(features,), name="digits")
-    x = keras.layers.Dense(64, activation="relu", name="dense_1")(inputs)
-    x = keras.layers.Dense(64, activation="relu", name="dense_2")(x)
-    outputs = keras.layers.Dense(10, name="predictions")(x)
-    return ClippedMLP(inputs, outputs, global_clipnorm=global_clipnorm)
-
-
 def main(argv):
     """Trains the MLP and prints the final validation accuracy."""
     del argv
     keras.utils.set_random_seed(_SEED.value)
     (x_train, y_train), (x_val, y_val) = digits.load_digits(_SEED.value)
-    model = build_model(x_train.shape[1], _GLOBAL_CLIPNORM.value)
+    model = seed_mlp.build(
+        ClippedMLP, x_train.shape[1], global_clipnorm=_GLOBAL_CLIPNORM.value
+    )
     model.compile(
         optimizer=keras.optimizers.Adam(_LEARNING_RATE.value),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),

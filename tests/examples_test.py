@@ -1,5 +1,6 @@
 """Runs the examples with small flags and checks what they print."""
 
+import csv
 import math
 import os
 import re
@@ -7,7 +8,13 @@ import subprocess
 import sys
 import tempfile
 
+import matplotlib
+from tensorboard.backend.event_processing import event_accumulator
+
 from tests import testing
+
+matplotlib.use("Agg")
+from matplotlib import pyplot  # noqa: E402
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -72,6 +79,36 @@ class ExamplesTest(testing.TestCase):
         self.assertEqual(header, "step,dense_1,dense_2,predictions")
         events = os.listdir(os.path.join(output_dir, "logs", "train"))
         self.assertTrue(any(name.startswith("events.out") for name in events))
+
+    def test_inspect_gradients_writes_what_it_inspected(self):
+        """TensorBoard tags per layer (read back with TensorBoard's own
+        reader), a PNG that decodes, a CSV of finite positive norms, every
+        statistic printed, and an accuracy above chance."""
+        output_dir = tempfile.mkdtemp()
+        output = run_example(
+            "inspect_gradients", "--epochs=2", f"--output_dir={output_dir}"
+        )
+        self.assertGreater(validation_accuracy(output), 0.3)
+        for statistic in ("norm", "max_abs", "zero_fraction", "update_ratio"):
+            self.assertRegex(output, rf"(?m)^  {statistic}: dense_1=")
+        layers = ["dense_1", "dense_2", "predictions"]
+        image = pyplot.imread(os.path.join(output_dir, "gradient_norms.png"))
+        self.assertGreater(min(image.shape[:2]), 100)
+        with open(os.path.join(output_dir, "gradient_norms.csv")) as f:
+            rows = list(csv.DictReader(f))
+        self.assertEqual(list(rows[0]), ["step", *layers])
+        norms = [float(row[layer]) for row in rows for layer in layers]
+        self.assertTrue(all(0 < n < math.inf for n in norms))
+        accumulator = event_accumulator.EventAccumulator(
+            os.path.join(output_dir, "logs", "train"),
+            size_guidance={event_accumulator.TENSORS: 0},
+        )
+        accumulator.Reload()
+        tags = set(accumulator.Tags()["tensors"])
+        for layer in layers:
+            self.assertIn(f"gradient_norm/{layer}", tags)
+            self.assertIn(f"gradients/{layer}", tags)
+        self.assertIn("epoch_loss", tags)  # Keras' TensorBoard, same dir
 
     def test_linear_regression_recovers_the_coefficients(self):
         """The fitted W and b are within 0.02 of the generating ones."""

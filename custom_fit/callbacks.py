@@ -25,6 +25,19 @@ def _check_inspected(callback, model):
         )
 
 
+def _new_figures(callback):
+    """Returns whether the model inspected a step since the last call.
+
+    With `inspect_every > 1`, gradient accumulation or before the first
+    inspected step, the figures may be those already written (or none).
+    """
+    count = callback.model._inspection_count()
+    if count == callback._last_count:
+        return False
+    callback._last_count = count
+    return True
+
+
 def _check_frequency(name, value):
     """Returns `value` if it is an integer >= 1, else raises `ValueError`."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -67,16 +80,17 @@ class GradientNormHistory(keras.callbacks.Callback):
         self.steps = []
         self.norms = {}
         self._calls = 0
+        self._last_count = 0
 
     def on_train_begin(self, logs=None):
         _check_inspected(self, self.model)
 
     def on_train_batch_end(self, batch, logs=None):
         self._calls += 1
-        if self._calls % self.every_n_batches:
+        if self._calls % self.every_n_batches or not _new_figures(self):
             return
         norms = self.model.gradient_norms
-        self.steps.append(int(self.model.optimizer.iterations.numpy()))
+        self.steps.append(self.model.inspected_step)
         for layer, norm in norms.items():
             history = self.norms.setdefault(layer, [])
             history.extend([math.nan] * (len(self.steps) - 1 - len(history)))
@@ -163,9 +177,18 @@ class GradientTensorBoard(keras.callbacks.Callback):
         self.histograms = histograms
         self._writer = None
         self._calls = 0
+        self._last_count = 0
 
     def on_train_begin(self, logs=None):
         _check_inspected(self, self.model)
+        try:
+            import tensorboard  # noqa: F401  (tf.summary writes with it)
+        except ImportError as error:
+            raise ImportError(
+                "GradientTensorBoard writes with tf.summary, which needs the "
+                "`tensorboard` package (TensorFlow 2.21 no longer installs "
+                "it). Install it with `pip install tensorboard`."
+            ) from error
         if self.histograms and not self.model.keep_gradients:
             raise ValueError(
                 "GradientTensorBoard(histograms=True) needs the model built "
@@ -188,14 +211,16 @@ class GradientTensorBoard(keras.callbacks.Callback):
             self._writer = None
 
     def _write(self):
-        """Writes the current per-layer figures at the optimizer's step."""
+        """Writes the per-layer figures of a newly inspected step, if any."""
         import tensorflow as tf
 
+        if not _new_figures(self):
+            return
         if self._writer is None:
             self._writer = tf.summary.create_file_writer(
                 os.path.join(self.log_dir, "train")
             )
-        step = int(self.model.optimizer.iterations.numpy())
+        step = self.model.inspected_step
         with self._writer.as_default(step=step):
             for layer, norm in self.model.gradient_norms.items():
                 tf.summary.scalar(f"gradient_norm/{layer}", norm)
@@ -211,7 +236,15 @@ class GradientAlarm(keras.callbacks.Callback):
 
     After each call of the train function it checks `model.gradient_norms`
     in `model.layers` order, and names the first layer whose gradient norm
-    is NaN or infinite, or above `max_norm`.
+    is NaN or infinite, or above `max_norm`; the message lists every bad
+    layer.
+
+    Which layer is to blame can be read off the gradients only while the
+    loss is finite: a layer whose own weights get a NaN or infinite
+    gradient (a `sqrt` at 0, a division by a weight) is named alone. When a
+    NaN reaches the loss (a bad input, `log` of a negative activation),
+    backpropagation spreads it to every layer; the alarm then says so, and
+    the culprit is found in the forward pass, not here.
 
     Args:
         max_norm: Float or `None`. A finite norm above this also counts as
@@ -261,17 +294,27 @@ class GradientAlarm(keras.callbacks.Callback):
         _check_inspected(self, self.model)
 
     def on_train_batch_end(self, batch, logs=None):
-        bad = self._first_bad_layer(self.model.gradient_norms)
-        if bad is None:
+        norms = self.model.gradient_norms
+        bad = self._bad_layers(norms)
+        if not bad:
             return
-        layer, norm = bad
-        step = int(self.model.optimizer.iterations.numpy())
+        layer = bad[0]
+        step = self.model.inspected_step
         if self.triggered is None:
-            self.triggered = (step, layer, norm)
+            self.triggered = (step, layer, norms[layer])
         message = (
             f"GradientAlarm: at step {step}, the gradients of layer "
-            f"{layer!r} went bad (norm {norm})."
+            f"{layer!r} went bad (norm {norms[layer]})."
         )
+        if len(bad) == len(norms) > 1:
+            message += (
+                " So did every other layer's: a NaN or Inf reached the "
+                "loss (check the inputs, labels and activations such as "
+                "log or sqrt), so the gradients cannot tell which layer "
+                "made it."
+            )
+        elif len(bad) > 1:
+            message += f" Bad layers: {bad}."
         if self.action == "stop":
             print(message + " Stopping training.")
             self.model.stop_training = True
@@ -279,10 +322,11 @@ class GradientAlarm(keras.callbacks.Callback):
             self._warned.add(layer)
             warnings.warn(message, UserWarning, stacklevel=2)
 
-    def _first_bad_layer(self, norms):
-        """Returns `(layer, norm)` of the first bad layer, or `None`."""
-        for layer, norm in norms.items():
-            exploding = self.max_norm is not None and norm > self.max_norm
-            if not math.isfinite(norm) or exploding:
-                return layer, norm
-        return None
+    def _bad_layers(self, norms):
+        """Returns the names of the bad layers, in `model.layers` order."""
+        return [
+            layer
+            for layer, norm in norms.items()
+            if not math.isfinite(norm)
+            or (self.max_norm is not None and norm > self.max_norm)
+        ]

@@ -10,6 +10,10 @@ from custom_fit import clipping
 from custom_fit import inspection
 from custom_fit.train_step import TrainStepMixin
 
+# Relative difference below which two float32 norms of the same gradients,
+# summed in different orders, count as equal.
+_ROUNDING = 1e-5
+
 
 class GradientInspectionMixin(TrainStepMixin):
     """Records per-layer gradient statistics inside the training step.
@@ -31,7 +35,9 @@ class GradientInspectionMixin(TrainStepMixin):
       `layer.trainable_variables` order.
     - `logs["grad_norm"]`: the global norm, as a running mean over the epoch
       like the loss; with a clipping mixin also `logs["grad_norm_clipped"]`,
-      the global norm after clipping, to see how hard clipping bites.
+      the global norm after clipping (after `transform_gradients`), to see
+      how hard clipping bites, and `logs["clip_rate"]`, the share of the
+      epoch's steps in which clipping lowered the norm: how often it bites.
 
     With `steps_per_execution > 1` the state holds the last inspected step.
 
@@ -81,30 +87,27 @@ class GradientInspectionMixin(TrainStepMixin):
                 "inspect_every=None. Pass inspect_every=1 to inspect every "
                 "step."
             )
-        if "_inspection_state" not in self.__dict__:
-            self.__dict__["_inspection_state"] = {}
-            self.__dict__["_kept_gradients"] = []
-            self.__dict__["_inspected_layers"] = []
+        if "_inspection_states" not in self.__dict__:
+            # One state per set of inspected variables (freezing a layer and
+            # compiling again changes the set); the last traced one is read.
+            self.__dict__["_inspection_states"] = {}
+            self.__dict__["_inspection_key"] = None
 
     # Reading the state (host side).
 
     @property
     def gradient_norms(self):
         """Dict of layer name to gradient norm at the last inspected step."""
-        return self.layer_gradient_statistics.get("norm", {})
+        state = self._current_inspection_state()
+        return state.read("norm") if state else {}
 
     @property
     def layer_gradient_statistics(self):
         """Dict of statistic name to a dict of layer name to value."""
-        return {
-            name: dict(
-                zip(
-                    self._inspected_layers,
-                    (float(v) for v in variable.numpy()),
-                )
-            )
-            for name, variable in self._inspection_state.items()
-        }
+        state = self._current_inspection_state()
+        if state is None:
+            return {}
+        return {name: state.read(name) for name in state.figures}
 
     @property
     def layer_gradients(self):
@@ -115,10 +118,31 @@ class GradientInspectionMixin(TrainStepMixin):
                 "keep_gradients=True. Received: keep_gradients=False. Pass "
                 "keep_gradients=True to the model's constructor."
             )
+        state = self._current_inspection_state()
         layers = {}
-        for owner, variable in self._kept_gradients:
+        for owner, variable in state.kept if state else ():
             layers.setdefault(owner, []).append(np.array(variable.numpy()))
         return layers
+
+    @property
+    def inspected_step(self):
+        """The training step of the figures: 0 before the first inspection.
+
+        It is the optimizer's update count after the inspected step
+        (`optimizer.iterations`, 1-based), so with `inspect_every=N` it
+        moves by N, and with gradient accumulation it counts updates.
+        """
+        state = self._current_inspection_state()
+        return int(state.step.numpy()) if state else 0
+
+    def _inspection_count(self):
+        """Returns how many steps were inspected (callbacks spot new ones)."""
+        state = self._current_inspection_state()
+        return int(state.count.numpy()) if state else 0
+
+    def _current_inspection_state(self):
+        """Returns the state of the last traced step, or `None`."""
+        return self._inspection_states.get(self._inspection_key)
 
     # In the step.
 
@@ -130,100 +154,151 @@ class GradientInspectionMixin(TrainStepMixin):
             gradients, transformed_gradients, variables, optimizer=optimizer
         )
         owners = self.layer_names_of(variables)
-        self._create_inspection_state(owners, variables)
-        layers = self._inspected_layers
+        state = self._inspection_state(owners, variables)
         if self.inspect_every == 1:
             # Every layer is a group: the global norm follows from theirs,
             # which saves a pass over the gradients.
-            layer_norms = inspection.group_norms(gradients, owners, layers)
+            layer_norms = inspection.group_norms(
+                gradients, owners, state.layers
+            )
             global_norm = tf.sqrt(tf.reduce_sum(tf.square(layer_norms)))
         else:
             layer_norms = None
             global_norm = clipping.global_norm(gradients)
         self.report_metric("grad_norm", global_norm)
         if self._clips_gradients():
-            self.report_metric(
-                "grad_norm_clipped", clipping.global_norm(transformed_gradients)
-            )
+            clipped_norm = clipping.global_norm(transformed_gradients)
+            self.report_metric("grad_norm_clipped", clipped_norm)
+            # Every clipping only scales down, so it bit if the norm fell
+            # (beyond the rounding of two summation orders).
+            bit = clipped_norm < global_norm * (1.0 - _ROUNDING)
+            self.report_metric("clip_rate", tf.cast(bit, tf.float32))
+        optimizer = optimizer or self.optimizer
 
         def record():
-            for name, variable in self._inspection_state.items():
+            for name, variable in state.figures.items():
                 if name == "norm" and layer_norms is not None:
                     variable.assign(layer_norms)
                 elif name in inspection.GROUP_STATISTICS:
                     function = inspection.GROUP_STATISTICS[name]
-                    variable.assign(function(gradients, owners, layers))
-            for (_, kept), g in zip(self._kept_gradients, gradients):
+                    variable.assign(function(gradients, owners, state.layers))
+            for (_, kept), g in zip(state.kept, gradients):
                 if g is not None:
                     kept.assign(tf.cast(tf.convert_to_tensor(g), kept.dtype))
+            state.step.assign(optimizer.iterations + 1)
+            state.count.assign_add(1)
 
-        self._on_inspected_steps(record, optimizer)
+        self._run_when(self._is_inspected_step(optimizer), record)
 
     def apply_gradients(
         self, gradients, variables, finite=None, optimizer=None
     ):
-        """Applies the gradients; records update ratios if requested."""
+        """Applies the gradients; records update ratios if requested.
+
+        The ratio of a step that `skip_nonfinite` skips is 0 (no update).
+        """
         if "update_ratio" not in self.gradient_statistics:
             return super().apply_gradients(
                 gradients, variables, finite, optimizer=optimizer
             )
+        # Decided before the update moves `optimizer.iterations`, so the
+        # ratio belongs to the same step as the other figures.
+        selected = self._is_inspected_step(optimizer or self.optimizer)
         before = [tf.identity(tf.convert_to_tensor(v)) for v in variables]
         super().apply_gradients(
             gradients, variables, finite, optimizer=optimizer
         )
         after = [tf.convert_to_tensor(v) for v in variables]
         owners = self.layer_names_of(variables)
+        state = self._inspection_state(owners, variables)
 
         def record():
-            self._inspection_state["update_ratio"].assign(
-                inspection.update_ratios(
-                    before, after, owners, self._inspected_layers
-                )
+            state.figures["update_ratio"].assign(
+                inspection.update_ratios(before, after, owners, state.layers)
             )
 
-        self._on_inspected_steps(record, optimizer)
+        self._run_when(selected, record)
 
-    def _on_inspected_steps(self, record, optimizer):
-        """Runs `record` on the steps selected by `inspect_every`.
+    def _is_inspected_step(self, optimizer):
+        """Returns `True`, or a boolean tensor: whether to record this step.
 
-        The step is the update count of `optimizer` (by default the
-        model's).
+        Steps are counted by `optimizer.iterations` (updates).
         """
         if self.inspect_every == 1:
+            return True
+        return tf.equal(optimizer.iterations % self.inspect_every, 0)
+
+    @staticmethod
+    def _run_when(selected, record):
+        """Runs `record` now if `selected` is `True`, else under a `tf.cond`."""
+        if selected is True:
             record()
             return
-        step = (optimizer or self.optimizer).iterations
         tf.cond(
-            tf.equal(step % self.inspect_every, 0),
+            selected,
             lambda: record() or tf.constant(True),
             lambda: tf.constant(False),
         )
 
-    def _create_inspection_state(self, owners, variables):
-        """Creates the state variables on first use, outside the trace.
+    def _inspection_state(self, owners, variables):
+        """Returns the state of `variables`, created on first use.
 
-        They are `ON_READ` variables, so replicas write them without
-        synchronising and a read returns the first replica's values (all
-        replicas hold the same, summed gradients).
+        Created outside the trace (`tf.init_scope`); see `_InspectionState`.
         """
-        if self._inspection_state:
-            return
-        layers = list(dict.fromkeys(owners))
-        self._inspected_layers.extend(layers)
-        names = ("norm",) + tuple(self.gradient_statistics)
+        key = tuple(id(variable) for variable in variables)
+        if key not in self._inspection_states:
+            self._inspection_states[key] = _InspectionState(
+                owners,
+                variables,
+                ("norm",) + tuple(self.gradient_statistics),
+                self.keep_gradients,
+            )
+        self.__dict__["_inspection_key"] = key
+        return self._inspection_states[key]
+
+
+class _InspectionState:
+    """The recorded figures of one set of variables, kept on the device.
+
+    All are `ON_READ` variables: replicas write them without synchronising
+    and a read returns the first replica's values (all replicas hold the
+    same, summed gradients).
+
+    Attributes:
+        layers: The layer names, in order of first appearance.
+        figures: Dict of statistic name to a vector with one value per
+            layer.
+        kept: List of `(layer name, variable)` holding the last gradients,
+            aligned with the inspected variables (empty unless kept).
+        step: `optimizer.iterations` after the last inspected step.
+        count: The number of inspected steps.
+    """
+
+    def __init__(self, owners, variables, statistics, keep_gradients):
+        self.layers = list(dict.fromkeys(owners))
         with tf.init_scope():
-            for name in names:
-                self._inspection_state[name] = _state.local_variable(
-                    tf.zeros(len(layers)), name
+            self.figures = {
+                name: _state.local_variable(tf.zeros(len(self.layers)), name)
+                for name in statistics
+            }
+            self.kept = [
+                (
+                    owner,
+                    _state.local_variable(
+                        tf.zeros(variable.shape, tf.float32), "kept_gradient"
+                    ),
                 )
-            if self.keep_gradients:
-                for owner, variable in zip(owners, variables):
-                    self._kept_gradients.append(
-                        (
-                            owner,
-                            _state.local_variable(
-                                tf.zeros(variable.shape, tf.float32),
-                                "kept_gradient",
-                            ),
-                        )
-                    )
+                for owner, variable in zip(owners, variables)
+                if keep_gradients
+            ]
+            self.step = _state.local_variable(
+                tf.constant(0, tf.int64), "inspected_step"
+            )
+            self.count = _state.local_variable(
+                tf.constant(0, tf.int64), "inspection_count"
+            )
+
+    def read(self, name):
+        """Returns the figure `name` as a dict of layer name to float."""
+        values = self.figures[name].numpy()
+        return dict(zip(self.layers, (float(v) for v in values)))

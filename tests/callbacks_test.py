@@ -3,7 +3,9 @@
 import csv
 import glob
 import os
+import sys
 import tempfile
+from unittest import mock
 
 import keras
 import numpy as np
@@ -139,6 +141,25 @@ class GradientNormHistoryTest(testing.TestCase):
             [float(r[1]) for r in rows[1:]], history.norms["hidden"], rtol=1e-6
         )
 
+    def test_records_each_inspected_step_once(self):
+        """With inspect_every=2 over 4 steps, only the inspected steps 1
+        and 3 are recorded, under their own step numbers."""
+        history = callbacks.GradientNormHistory()
+        model = fitted([history], epochs=1, inspect_every=2)
+        self.assertEqual(history.steps, [1, 3])
+        self.assertEqual(
+            history.norms["hidden"][-1], model.gradient_norms["hidden"]
+        )
+
+    def test_plot_without_matplotlib_names_the_install(self):
+        """Without matplotlib, plot raises ImportError saying what to
+        install."""
+        history = callbacks.GradientNormHistory()
+        fitted([history], epochs=1)
+        with mock.patch.dict(sys.modules, {"matplotlib": None}):
+            with self.assertRaisesRegex(ImportError, "pip install matplotlib"):
+                history.plot(os.path.join(tempfile.mkdtemp(), "n.png"))
+
     def test_bad_frequency_raises(self):
         """A zero frequency is refused by name."""
         with self.assertRaisesRegex(ValueError, "Received: every_n_batches=0"):
@@ -168,6 +189,21 @@ class GradientAlarmTest(testing.TestCase):
         self.assertTrue(np.isfinite(model.gradient_norms["first"]))
         self.assertTrue(np.isfinite(model.gradient_norms["last"]))
         self.assertLen(history.history["loss"], 1)
+
+    def test_nan_reaching_the_loss_is_reported_as_such(self):
+        """A layer whose output is NaN makes every layer's gradient NaN: the
+        alarm names the first layer and says all went bad, not which."""
+        inputs = keras.Input((4,))
+        x = keras.layers.Dense(6, name="first")(inputs)
+        x = keras.layers.Lambda(lambda t: tf.math.log(-tf.abs(t) - 1.0))(x)
+        outputs = keras.layers.Dense(3, name="last")(x)
+        model = Net(inputs, outputs)
+        model.compile(optimizer="sgd", loss=testing.sparse_crossentropy())
+        alarm = callbacks.GradientAlarm(action="warn")
+        x, y = testing.classification_data(samples=16)
+        with self.assertWarnsRegex(UserWarning, "So did every other layer"):
+            model.fit(x, y, batch_size=16, verbose=0, callbacks=[alarm])
+        self.assertEqual(alarm.triggered[1], "first")
 
     def test_warn_mode_goes_on(self):
         """action='warn' warns once per layer and trains to the end."""

@@ -149,6 +149,111 @@ class GradientNormsTest(testing.TestCase):
                 model.layer_gradients[layer], grads, rtol=1e-5, atol=1e-7
             )
 
+    def test_grad_norm_is_reset_every_epoch(self):
+        """Two epochs: each epoch's grad_norm is the mean of that epoch's
+        step norms only (a missing reset would blend the epochs)."""
+        x, y = testing.classification_data(samples=32)
+        model = compiled(testing.mlp(Net))
+        reference = compiled(testing.mlp(keras.Model))
+        per_epoch = []
+        for _ in range(2):
+            norms = []
+            for start in (0, 16):
+                batch = (x[start : start + 16], y[start : start + 16])
+                grads = testing.tape_gradients(
+                    reference, *batch, testing.sparse_crossentropy()
+                )
+                norms.append(np.sqrt(sum(np.sum(g**2) for g in grads)))
+                reference.fit(*batch, verbose=0)
+            per_epoch.append(np.mean(norms))
+        history = model.fit(
+            x, y, batch_size=16, epochs=2, shuffle=False, verbose=0
+        )
+        self.assertAllClose(history.history["grad_norm"], per_epoch, rtol=1e-5)
+
+    def test_several_steps_under_mirrored_strategy(self):
+        """Four steps on two replicas: the figures are the single-device
+        tape's on the last batch, with the weights before that step."""
+        x, y = testing.classification_data()  # 4 batches of 16
+        with testing.mirrored_strategy().scope():
+            model = compiled(testing.mlp(Net, keep_gradients=True))
+        model.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+        before_last = compiled(testing.mlp(keras.Model))
+        before_last.fit(x[:48], y[:48], batch_size=16, shuffle=False, verbose=0)
+        expected = testing.tape_gradients(
+            before_last, x[48:], y[48:], testing.sparse_crossentropy()
+        )
+        for layer, norm in norms_of(expected).items():
+            self.assertAllClose(model.gradient_norms[layer], norm, rtol=1e-5)
+        for layer, grads in per_layer(expected).items():
+            self.assertAllClose(
+                model.layer_gradients[layer], grads, rtol=1e-5, atol=1e-7
+            )
+        self.assertEqual(model.inspected_step, 4)
+
+    def test_freezing_a_layer_and_compiling_again(self):
+        """After `hidden` is frozen and the model recompiled, the figures
+        cover the trainable layer only and equal the tape's."""
+        x, y = testing.classification_data(samples=16)
+        model = compiled(testing.mlp(Net, keep_gradients=True))
+        model.fit(x, y, batch_size=16, verbose=0)
+        model.get_layer("hidden").trainable = False
+        compiled(model)
+        reference = compiled(testing.mlp(keras.Model))
+        reference.set_weights(model.get_weights())
+        reference.get_layer("hidden").trainable = False
+        expected = testing.tape_gradients(
+            reference, x, y, testing.sparse_crossentropy()
+        )
+        history = model.fit(x, y, batch_size=16, verbose=0).history
+        self.assertEqual(list(model.gradient_norms), ["output"])
+        self.assertAllClose(
+            model.gradient_norms["output"],
+            np.sqrt(sum(np.sum(g**2) for g in expected)),
+            rtol=1e-5,
+        )
+        self.assertAllClose(model.layer_gradients["output"], expected)
+        self.assertAllClose(
+            history["grad_norm"],
+            [np.sqrt(sum(np.sum(g**2) for g in expected))],
+            rtol=1e-5,
+        )
+
+    def test_clip_rate_counts_the_steps_clipping_changed(self):
+        """clip_rate is the share of steps whose tape norm exceeds the
+        bound: with a zero learning rate the weights stay put, and a bound
+        between the two batches' norms clips one step of two."""
+        x, y = testing.classification_data(samples=32)
+        initial = testing.mlp()
+        norms = [
+            np.sqrt(
+                sum(
+                    np.sum(g**2)
+                    for g in testing.tape_gradients(
+                        initial,
+                        x[start : start + 16],
+                        y[start : start + 16],
+                        testing.sparse_crossentropy(),
+                    )
+                )
+            )
+            for start in (0, 16)
+        ]
+        for bound, expected in [
+            (float(np.mean(norms)), 0.5),
+            (1e3, 0.0),
+            (1e-3, 1.0),
+        ]:
+            model = testing.mlp(ClippedNet, global_clipnorm=bound)
+            model.compile(
+                optimizer=keras.optimizers.SGD(0.0),
+                loss=testing.sparse_crossentropy(),
+            )
+            history = model.fit(
+                x, y, batch_size=16, shuffle=False, verbose=0
+            ).history
+            self.assertEqual(history["clip_rate"], [expected], bound)
+
 
 class StatisticsTest(testing.TestCase):
     def test_statistics_equal_numpy(self):
@@ -187,15 +292,58 @@ class StatisticsTest(testing.TestCase):
         self.assertGreater(stats["zero_fraction"]["hidden"], 0.0)
 
     def test_nonfinite_count_counts_nan_entries(self):
-        """A NaN input makes NaN gradients, which are counted."""
+        """A NaN input makes NaN gradients; each layer's count equals NumPy's
+        count of non-finite entries in that step's kept gradients (which
+        entries turn NaN depends on the kernels: ReLU of NaN differs
+        between eager and fused graph kernels)."""
         x, y = testing.classification_data(samples=8)
         x[0, 0] = np.nan
         model = compiled(
-            testing.mlp(Net, gradient_statistics=["nonfinite_count"])
+            testing.mlp(
+                Net,
+                keep_gradients=True,
+                gradient_statistics=["nonfinite_count"],
+            )
         )
         model.fit(x, y, batch_size=8, verbose=0)
         counts = model.layer_gradient_statistics["nonfinite_count"]
+        for layer, gs in model.layer_gradients.items():
+            expected = sum(int(np.sum(~np.isfinite(g))) for g in gs)
+            self.assertEqual(counts[layer], expected)
         self.assertGreater(counts["hidden"], 0.0)
+
+    def test_update_ratio_with_inspect_every_is_that_steps(self):
+        """With inspect_every=2 over 4 steps, update_ratio belongs to step
+        3, like the norms: ||w3 - w2|| / ||w2|| from a plain Keras run."""
+        x, y = testing.classification_data()
+        model = compiled(
+            testing.mlp(
+                Net, inspect_every=2, gradient_statistics=["update_ratio"]
+            )
+        )
+        model.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+        weights = []
+        for batches in (2, 3):
+            reference = compiled(testing.mlp(keras.Model))
+            end = 16 * batches
+            reference.fit(
+                x[:end], y[:end], batch_size=16, shuffle=False, verbose=0
+            )
+            weights.append(reference.get_weights())
+        ratios = model.layer_gradient_statistics["update_ratio"]
+        for index, layer in enumerate(["hidden", "output"]):
+            w2, w3 = (
+                np.concatenate(
+                    [w.ravel() for w in ws[2 * index : 2 * index + 2]]
+                )
+                for ws in weights
+            )
+            self.assertAllClose(
+                ratios[layer],
+                np.linalg.norm(w3 - w2) / np.linalg.norm(w2),
+                rtol=1e-4,
+            )
+        self.assertEqual(model.inspected_step, 3)
 
     def test_group_functions_on_indexed_slices(self):
         """Statistics of an IndexedSlices equal those of its dense sum."""

@@ -157,6 +157,7 @@ class GANTest(testing.TestCase):
             sorted(history),
             [
                 "d_loss",
+                "discriminator_clip_rate",
                 "discriminator_grad_norm",
                 "discriminator_grad_norm_clipped",
                 "g_loss",
@@ -171,6 +172,7 @@ class GANTest(testing.TestCase):
         self.assertAllClose(
             history["discriminator_grad_norm_clipped"][0], 0.1, rtol=1e-5
         )
+        self.assertEqual(history["discriminator_clip_rate"], [1.0])
         self.assertAllClose(
             history["generator_grad_norm"][0], global_norm(g_grads), rtol=1e-5
         )

@@ -184,7 +184,7 @@ def subset_of(allowed):
 
 
 def scalar_tensor(value, what, name):
-    """Returns `value` as a tensor after checking that it is a scalar.
+    """Returns `value` as a tensor after checking that it is a numeric scalar.
 
     Runs at trace time, where static shapes are known.
 
@@ -194,16 +194,31 @@ def scalar_tensor(value, what, name):
         name: String. The value's name, for the message.
 
     Returns:
-        A tensor of rank 0.
+        A tensor of rank 0 with a floating-point or integer dtype.
 
     Raises:
-        ValueError: If `value` has a rank other than 0.
+        ValueError: If `value` cannot be converted to a tensor (`None`, an
+            object), has a dtype other than floating point or integer
+            (strings, bools), or has a rank other than 0.
     """
-    value = tf.convert_to_tensor(value)
-    if value.shape.rank != 0:
+    try:
+        tensor = tf.convert_to_tensor(value)
+    except (TypeError, ValueError) as error:
+        raise ValueError(
+            f"{what} {name!r} must be a number or a scalar tensor. "
+            f"Received: {name}={value!r} of type {type(value).__name__}. "
+            "Return a scalar tensor, for instance with `ops.mean`."
+        ) from error
+    if not (tensor.dtype.is_floating or tensor.dtype.is_integer):
+        raise ValueError(
+            f"{what} {name!r} must have a floating-point or integer dtype. "
+            f"Received: {name}={value!r} of dtype {tensor.dtype.name}. "
+            "Return a numeric scalar, for instance with `ops.mean`."
+        )
+    if tensor.shape.rank != 0:
         raise ValueError(
             f"{what} {name!r} must be a scalar. Received: {name}=<tensor of "
-            f"shape {value.shape}>. Reduce it to a scalar first, for instance "
+            f"shape {tensor.shape}>. Reduce it to a scalar first, for instance "
             "with `ops.mean`."
         )
-    return value
+    return tensor

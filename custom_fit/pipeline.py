@@ -175,7 +175,11 @@ def apply_true_gradients(optimizer, gradients, variables, finite=None):
     if finite is None or is_loss_scale_optimizer:
         optimizer.apply(gradients, variables)
     else:
-        run_if(finite, lambda: optimizer.apply(gradients, variables))
+        run_if(
+            finite,
+            lambda gradients: optimizer.apply(gradients, variables),
+            args=(gradients,),
+        )
 
 
 def optimizer_clipping(optimizer):
@@ -198,22 +202,30 @@ def optimizer_clipping(optimizer):
     return found
 
 
-def run_if(condition, function):
-    """Runs `function()` only when `condition` is true, on every replica.
+def run_if(condition, function, args=()):
+    """Runs `function(*args)` only when `condition` is true, on every replica.
 
     Outside `tf.distribute` this is a `tf.cond`. Under a strategy, the
     optimizer's `apply` synchronises replicas with a `merge_call`, which may
     not sit in a `tf.cond` branch in replica context; the condition (the
     same on every replica) is then evaluated in cross-replica context, as
-    `LossScaleOptimizer` does, and `function` runs on each replica.
+    `LossScaleOptimizer` does, and `function` runs on each replica with
+    that replica's `args`.
+
+    Pass every per-replica tensor `function` uses through `args`, not a
+    closure: inside the cross-replica branch a closure would hand every
+    replica the tensors of the replica that traced it, and Keras'
+    all-reduce then sees one value where it expects one per replica (a
+    wrong update). Variables may be captured.
 
     Args:
         condition: Boolean scalar tensor, the same on every replica.
-        function: Callable without arguments; its return value is dropped.
+        function: Callable; its return value is dropped.
+        args: Tuple of (nested) per-replica tensors passed to `function`.
     """
 
     def run():
-        function()
+        function(*args)
         return tf.constant(True)
 
     def skip():
@@ -223,17 +235,17 @@ def run_if(condition, function):
         tf.cond(condition, run, skip)
         return
 
-    def run_on_each_replica():
-        strategy = tf.distribute.get_strategy()
-        strategy.extended.call_for_each_replica(function)
-        return tf.constant(True)
-
-    def cross_replica(strategy, condition):
+    def cross_replica(strategy, condition, args):
         first = strategy.experimental_local_results(condition)[0]
+
+        def run_on_each_replica():
+            strategy.extended.call_for_each_replica(function, args=args)
+            return tf.constant(True)
+
         tf.cond(first, run_on_each_replica, skip)
 
     tf.distribute.get_replica_context().merge_call(
-        cross_replica, args=(condition,)
+        cross_replica, args=(condition, tuple(args))
     )
 
 

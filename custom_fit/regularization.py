@@ -105,34 +105,52 @@ def l2_penalty(variables, l2):
     return l2 * _sum_over(variables, tf.square)
 
 
-def input_gradient_penalty(input_gradients, form="squared_norm"):
-    """Returns the mean over samples of a penalty on input gradients.
+def input_gradient_penalty(
+    input_gradients, form="squared_norm", sample_weight=None
+):
+    """Returns the batch's penalty on per-sample input gradients.
 
-    With `g_i` the gradient for sample `i` (all inputs together):
+    With `g_i` the gradient of sample `i`'s (unweighted) loss with respect to
+    its inputs, all inputs together, the penalty `p_i` of sample `i` is:
 
-    - `"squared_norm"`: `mean_i ||g_i||^2`, double backpropagation
+    - `"squared_norm"`: `||g_i||^2`, double backpropagation
       (Drucker & LeCun, 1992);
-    - `"wgan_gp"`: `mean_i (||g_i|| - 1)^2`, the gradient penalty of
-      WGAN-GP (Gulrajani et al., 2017).
+    - `"wgan_gp"`: `(||g_i|| - 1)^2`, the gradient penalty of WGAN-GP
+      (Gulrajani et al., 2017).
+
+    The result is `mean_i p_i`, or with sample weights `w_i`,
+    `sum_i(w_i * p_i) / batch_size`: the reduction Keras applies to a
+    weighted loss (`"sum_over_batch_size"`), so that a sample counts in the
+    penalty with the weight it has in the loss, and a zero-weight (padding)
+    sample not at all.
 
     Args:
-        input_gradients: List of tensors whose first axis is the batch.
+        input_gradients: List of tensors whose first axis is the batch, one
+            per input. `None` entries (an input the loss does not depend on)
+            count as zero.
         form: One of `"squared_norm"`, `"wgan_gp"`.
+        sample_weight: Optional tensor of per-sample weights, of shape
+            `(batch_size,)` or `(batch_size, ...)`; a sample's weight is the
+            mean over its non-batch axes (its timesteps, say).
 
     Returns:
         A float32 scalar tensor.
 
     Raises:
-        ValueError: If `form` is not one of the allowed values.
+        ValueError: If `form` is not one of the allowed values, or if every
+            entry of `input_gradients` is `None`.
 
     Example:
 
     ```python
     >>> g = [tf.constant([[3.0, 4.0], [0.0, 0.0]])]
-    >>> float(input_gradient_penalty(g))      # (25 + 0) / 2
+    >>> float(input_gradient_penalty(g))  # (25 + 0) / 2
     12.5
     >>> round(float(input_gradient_penalty(g, "wgan_gp")), 4)  # (16 + 1) / 2
     8.5
+    >>> w = tf.constant([2.0, 0.0])
+    >>> round(float(input_gradient_penalty(g, "wgan_gp", w)), 4)  # 2 * 16 / 2
+    16.0
     ```
 
     References:
@@ -146,14 +164,33 @@ def input_gradient_penalty(input_gradients, form="squared_norm"):
             f"`form` must be one of {INPUT_GRADIENT_FORMS}. Received: "
             f"form={form!r}. Pass one of the allowed values."
         )
-    squared = tf.add_n([_per_sample_squared_norm(g) for g in input_gradients])
+    norms = [
+        _per_sample_squared_norm(g) for g in input_gradients if g is not None
+    ]
+    if not norms:
+        raise ValueError(
+            "`input_gradients` must hold at least one gradient. Received: "
+            f"input_gradients={list(input_gradients)!r}. Pass the gradients "
+            "of the inputs the loss depends on."
+        )
+    squared = tf.add_n(norms)
     if form == "squared_norm":
-        return tf.reduce_mean(squared)
-    return tf.reduce_mean(tf.square(tf.sqrt(squared + _NORM_EPSILON) - 1.0))
+        per_sample = squared
+    else:
+        per_sample = tf.square(tf.sqrt(squared + _NORM_EPSILON) - 1.0)
+    if sample_weight is None:
+        return tf.reduce_mean(per_sample)
+    weights = tf.cast(sample_weight, tf.float32)
+    weights = tf.reduce_mean(
+        tf.reshape(weights, [tf.shape(weights)[0], -1]), axis=1
+    )
+    batch_size = tf.cast(tf.shape(per_sample)[0], tf.float32)
+    return tf.reduce_sum(weights * per_sample) / batch_size
 
 
 def _per_sample_squared_norm(gradient):
     """Returns the squared L2 norm of each row (sample) of `gradient`."""
+    gradient = tf.convert_to_tensor(gradient)
     flat = tf.reshape(
         tf.cast(gradient, tf.float32), [tf.shape(gradient)[0], -1]
     )

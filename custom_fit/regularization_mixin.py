@@ -1,5 +1,6 @@
 """`RegularizationMixin`: named loss components, penalties, as metrics."""
 
+import keras
 import tensorflow as tf
 
 from custom_fit import _keras_compat
@@ -11,6 +12,14 @@ from custom_fit.train_step import TrainStepMixin
 
 _BUILT_IN_TERMS = ("l1_penalty", "l2_penalty", "input_gradient_penalty")
 _COMPONENT_NAMES = ("data_loss", "regularization_loss")
+# Metrics the library's own mixins report: a term of that name would be
+# merged with them.
+_LIBRARY_METRICS = (
+    "grad_norm",
+    "grad_norm_clipped",
+    "skipped_steps",
+    "clip_rate",
+)
 
 
 class RegularizationMixin(TrainStepMixin):
@@ -45,12 +54,18 @@ class RegularizationMixin(TrainStepMixin):
             `["kernel", "bias"]` to include biases.
         input_gradient_penalty: Float or `None`. Adds this weight times a
             penalty on the gradient of the loss with respect to the
-            inputs, computed with a nested tape (one more forward and
-            backward pass per step). Inputs must be floating point.
+            inputs, computed with a nested tape (one more call of
+            `forward_pass` and one more backward pass per step). Only
+            floating-point inputs are differentiated (integer inputs such
+            as token ids are left out); at least one is needed. An input
+            the loss does not depend on has a zero gradient.
         input_gradient_penalty_form: `"squared_norm"` (double
-            backpropagation, Drucker & LeCun 1992: `mean_i ||g_i||^2`) or
-            `"wgan_gp"` (`mean_i (||g_i|| - 1)^2`). `g_i` is the gradient of
-            sample `i`'s loss with respect to its inputs.
+            backpropagation, Drucker & LeCun 1992: `p_i = ||g_i||^2`) or
+            `"wgan_gp"` (`p_i = (||g_i|| - 1)^2`). `g_i` is the gradient of
+            sample `i`'s unweighted loss with respect to its inputs. The
+            penalty is `mean_i p_i`, or with sample weights
+            `sum_i(w_i * p_i) / batch_size`, as Keras reduces a weighted
+            loss (`"sum_over_batch_size"`).
 
     Example:
 
@@ -162,9 +177,11 @@ class RegularizationMixin(TrainStepMixin):
                 f"scalar tensor. Received: {type(terms).__name__} {terms!r}. "
                 "Return for example {'smoothness': penalty}."
             )
+        reserved = (
+            _BUILT_IN_TERMS + _COMPONENT_NAMES + _LIBRARY_METRICS + ("loss",)
+        )
         checked = {}
         for name, value in terms.items():
-            reserved = _BUILT_IN_TERMS + _COMPONENT_NAMES + ("loss",)
             if not isinstance(name, str) or name in reserved:
                 raise ValueError(
                     "`regularization_losses` returned a term with an invalid "
@@ -177,33 +194,61 @@ class RegularizationMixin(TrainStepMixin):
         return checked
 
     def _input_gradient_term(self, x, y, sample_weight, training):
-        """Returns the unweighted input-gradient penalty of this batch.
+        """Returns the input-gradient penalty of this batch.
 
-        A second forward pass runs under a tape that watches the inputs; the
-        per-sample loss gradients are taken from the summed loss.
+        A second forward pass, through the `forward_pass` hook, runs under a
+        tape that watches the floating-point inputs. The per-sample
+        gradients are those of the unweighted loss; the sample weights then
+        weight each sample's penalty as Keras weights its loss.
         """
-        inputs = tf.nest.flatten(x)
-        for tensor in inputs:
-            if not tensor.dtype.is_floating:
-                raise ValueError(
-                    "`input_gradient_penalty` needs floating-point inputs. "
-                    f"Received an input of dtype {tensor.dtype.name}. Leave "
-                    "it off for integer inputs such as token ids."
-                )
+        labelled = keras.tree.flatten_with_path(x)
+        inputs = [
+            tensor
+            for _, tensor in labelled
+            if tensor is not None and tensor.dtype.is_floating
+        ]
+        if not inputs:
+            received = ", ".join(
+                f"{_input_label(path)} of dtype {tensor.dtype.name}"
+                for path, tensor in labelled
+                if tensor is not None
+            )
+            raise ValueError(
+                "`input_gradient_penalty` needs at least one floating-point "
+                f"input. Received inputs: {received}. Leave "
+                "`input_gradient_penalty` off when every input is an "
+                "integer, such as token ids."
+            )
+        weights = tf.nest.flatten(sample_weight)
+        if len(weights) > 1:
+            raise ValueError(
+                "`input_gradient_penalty` needs one sample weight per sample, "
+                "the same for every output. Received: sample_weight with "
+                f"{len(weights)} entries. Pass a single array of sample "
+                "weights."
+            )
         with tf.GradientTape() as tape:
             tape.watch(inputs)
-            y_pred = _keras_compat.call_model(self, x, training=training)
-            loss = super().compute_loss(
-                x, y, y_pred, sample_weight, training=training
-            )
-            # Keras' loss is a mean over the replica's batch, divided by the
-            # replica count; this is the sum of the per-sample losses.
+            y_pred = self.forward_pass(x, training=training)
+            loss = super().compute_loss(x, y, y_pred, None, training=training)
+            # Keras' unweighted loss is a mean over the replica's batch,
+            # divided by the replica count; this is the sum of the
+            # per-sample losses.
             summed = (
                 loss
                 * _keras_compat.batch_size(x, loss.dtype)
                 * pipeline.replica_count()
             )
-        gradients = tape.gradient(summed, inputs)
-        return regularization.input_gradient_penalty(
-            gradients, self.input_gradient_penalty_form
+        gradients = tape.gradient(
+            summed, inputs, unconnected_gradients=tf.UnconnectedGradients.ZERO
         )
+        return regularization.input_gradient_penalty(
+            gradients,
+            self.input_gradient_penalty_form,
+            weights[0] if weights else None,
+        )
+
+
+def _input_label(path):
+    """Returns how to name an input in messages: `x`, `x[0]`, `x['ids']`."""
+    return "x" + "".join(f"[{key!r}]" for key in path)

@@ -68,6 +68,7 @@ class SharpnessAwareMixin(TrainStepMixin):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         variables = self.trainable_variables
         optimizer = self._checked_optimizer(None)
+        layer_state = self._layer_state_before_step()
         with tf.GradientTape() as tape:
             y_pred, loss = self._forward_and_loss(x, y, sample_weight)
         with tape:
@@ -91,6 +92,7 @@ class SharpnessAwareMixin(TrainStepMixin):
         counted = self._minimize(
             perturbed_loss, perturbed_tape, variables, optimizer
         )[1]
+        self._restore_layer_state_if_skipped(layer_state, counted)
         return self._end_train_step(x, y, y_pred, sample_weight, loss, counted)
 
     def _forward_and_loss(self, x, y, sample_weight):

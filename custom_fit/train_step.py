@@ -63,9 +63,10 @@ class TrainStepMixin:
 
     Args:
         skip_nonfinite: Bool. If `True`, a step whose gradients (true or
-            transformed) hold NaN or Inf changes no weight and no optimizer
-            variable (slots, iteration count); `logs["skipped_steps"]`
-            counts such steps per epoch and training goes on. The decision
+            transformed) hold NaN or Inf changes no weight, no optimizer
+            variable (slots, iteration count) and no layer state (batch
+            normalization statistics); `logs["skipped_steps"]` counts such
+            steps per epoch and training goes on. The decision
             is taken on the summed gradients, so all replicas agree.
             Defaults to `False` (Keras behaviour: the update is applied).
         max_consecutive_skipped_steps: Integer or `None`. With
@@ -338,14 +339,14 @@ class TrainStepMixin:
                 gradients, transformed, variables, optimizer=optimizer
             )
 
-        def apply():
+        def apply(transformed, finite):
             self.apply_gradients(
                 transformed, variables, finite=finite, optimizer=optimizer
             )
 
         if is_update is None:
             inspect()
-            apply()
+            apply(transformed, finite)
             applied = finite if self.skip_nonfinite else None
         else:
             tf.cond(
@@ -353,7 +354,7 @@ class TrainStepMixin:
                 lambda: inspect() or tf.constant(True),
                 lambda: tf.constant(False),
             )
-            pipeline.run_if(is_update, apply)
+            pipeline.run_if(is_update, apply, args=(transformed, finite))
             applied = is_update
             if self.skip_nonfinite:
                 applied = tf.logical_and(is_update, finite)
@@ -408,13 +409,46 @@ class TrainStepMixin:
             A dict of metric results, as `keras.Model.train_step` returns.
         """
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        layer_state = self._layer_state_before_step()
         with tf.GradientTape() as tape:
             y_pred = self.forward_pass(x, training=True)
             loss = _keras_compat.compute_loss(
                 self, x, y, y_pred, sample_weight, training=True
             )
         counted = self._minimize_if_trainable(loss, tape)
+        self._restore_layer_state_if_skipped(layer_state, counted)
         return self._end_train_step(x, y, y_pred, sample_weight, loss, counted)
+
+    def _layer_state_before_step(self):
+        """With `skip_nonfinite`, copies the layers' non-trainable state.
+
+        The forward pass updates it in training mode (BatchNormalization's
+        moving statistics, dropout's seed); a batch whose gradients are not
+        finite would leave NaN statistics behind. Returns `None` without
+        `skip_nonfinite`, else `(variables, copies)`.
+        """
+        if not self.skip_nonfinite:
+            return None
+        variables = list(self.non_trainable_variables)
+        if not variables:
+            return None
+        copies = [tf.identity(tf.convert_to_tensor(v)) for v in variables]
+        return variables, copies
+
+    def _restore_layer_state_if_skipped(self, layer_state, counted):
+        """Writes back the copied state when this batch was not `counted`.
+
+        A batch is not counted when its own gradients are not finite, so it
+        leaves nothing behind, as if it had not been in the data.
+        """
+        if layer_state is None or counted is None:
+            return
+        variables, copies = layer_state
+        pipeline.run_if(
+            tf.logical_not(counted),
+            lambda copies: pipeline.assign_variables(variables, copies),
+            args=(copies,),
+        )
 
     def _minimize_if_trainable(self, loss, tape):
         """Runs `_minimize`; warns as Keras does without trainable weights.

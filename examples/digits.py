@@ -2,9 +2,11 @@
 
 The default, `digits`, is the 8x8 digits that ship with scikit-learn (1,797
 images, no download). `mnist` is `keras.datasets.mnist` (28x28, downloaded
-once into `~/.keras/datasets`), for when the network is there.
+once into `$KERAS_HOME/datasets`, by default `~/.keras/datasets`), for
+when the network is there.
 """
 
+import os
 import sys
 
 import keras
@@ -34,6 +36,19 @@ def load_digits(seed=0, validation_fraction=0.2):
     return (x_train, y_train), (x_val, y_val)
 
 
+def keras_datasets_dir():
+    """Returns the directory Keras downloads datasets into.
+
+    `$KERAS_HOME/datasets` if `KERAS_HOME` is set, else
+    `~/.keras/datasets`; `/tmp/.keras/datasets` if that home is not
+    writable, as `keras.utils.get_file` falls back.
+    """
+    home = os.path.expanduser(os.environ.get("KERAS_HOME", "~/.keras"))
+    if not os.access(home, os.W_OK):
+        home = os.path.join("/tmp", ".keras")
+    return os.path.join(home, "datasets")
+
+
 def load_mnist():
     """Returns MNIST as `load_digits` does, images flattened to 784.
 
@@ -46,8 +61,8 @@ def load_mnist():
         sys.exit(
             "error: --dataset=mnist could not load MNIST: keras.datasets."
             f"mnist.load_data() failed with {type(error).__name__}: {error}. "
-            "It downloads the data once into ~/.keras/datasets, which needs "
-            "network access. Run with --dataset=digits (bundled with "
+            f"It downloads the data once into {keras_datasets_dir()}, which "
+            "needs network access. Run with --dataset=digits (bundled with "
             "scikit-learn, no download) instead."
         )
 

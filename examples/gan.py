@@ -116,7 +116,12 @@ class GAN(custom_fit.TrainStepMixin, keras.Model):
 
 
 def with_noise(samples, latent_dim, batch_size, seed):
-    """Returns a dataset of `(real batch, noise batch)`, new noise each epoch.
+    """Returns an endless dataset of `(real batch, noise batch)`.
+
+    Each pass over `samples` is reshuffled and gets new noise; a given
+    `seed` gives the same batches in every run. The dataset repeats
+    forever: train on it with `steps_per_epoch=len(samples) // batch_size`,
+    one pass per epoch (full batches only, the remainder is dropped).
 
     Args:
         samples: Array of real samples.
@@ -128,9 +133,11 @@ def with_noise(samples, latent_dim, batch_size, seed):
         A `tf.data.Dataset`.
     """
     data = tf.data.Dataset.from_tensor_slices(samples)
-    data = data.shuffle(len(samples), seed=seed).batch(
-        batch_size, drop_remainder=True
-    )
+    data = data.shuffle(len(samples), seed=seed)
+    data = data.batch(batch_size, drop_remainder=True).repeat()
+    # One iterator serves every epoch, so the seeded noise op continues its
+    # sequence. On a finite dataset `fit` makes a new iterator per epoch,
+    # and the op would restart, giving every epoch the same noise.
     return data.map(
         lambda real: (
             real,
@@ -193,7 +200,12 @@ def main(argv):
     data = with_noise(
         x_train, _LATENT_DIM.value, _BATCH_SIZE.value, _SEED.value
     )
-    history = gan.fit(data, epochs=_EPOCHS.value, verbose=2)
+    history = gan.fit(
+        data,
+        epochs=_EPOCHS.value,
+        steps_per_epoch=len(x_train) // _BATCH_SIZE.value,
+        verbose=2,
+    )
     for name, values in sorted(history.history.items()):
         print(f"{name}: {values[-1]:.4f}")
     norms = ", ".join(

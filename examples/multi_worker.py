@@ -18,6 +18,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -52,10 +53,17 @@ def free_ports(count):
 def launch_local_workers(count, command_line):
     """Starts `count` copies of this script as workers; waits for them.
 
-    Every worker is killed if any fails or the timeout passes.
+    The workers are polled together: the first to fail, or the timeout,
+    ends the wait, and every worker still running is then killed.
+
+    Args:
+        count: Integer. The number of workers.
+        command_line: List of strings. The script and its flags.
 
     Returns:
-        The exit codes of the workers.
+        `None` if every worker exited with 0; otherwise a message naming
+        the worker that failed and its exit code, or the workers still
+        running at the timeout.
     """
     addresses = [f"127.0.0.1:{port}" for port in free_ports(count)]
     processes = []
@@ -69,12 +77,39 @@ def launch_local_workers(count, command_line):
             processes.append(
                 subprocess.Popen([sys.executable, *command_line], env=env)
             )
-        return [p.wait(timeout=_TIMEOUT.value) for p in processes]
+        return wait_for_workers(processes, _TIMEOUT.value)
     finally:
         for p in processes:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def wait_for_workers(processes, timeout, interval=0.2):
+    """Polls `processes` until all exit, one fails, or `timeout` passes.
+
+    Args:
+        processes: List of `subprocess.Popen`, the workers in index order.
+        timeout: Number. Seconds to wait in all.
+        interval: Number. Seconds between polls.
+
+    Returns:
+        `None` if every process exited with 0; otherwise a message naming
+        the first failed worker and its exit code, or the workers still
+        running at the timeout. Running workers are left to the caller.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        codes = [p.poll() for p in processes]
+        for index, code in enumerate(codes):
+            if code:  # Neither running (None) nor successful (0).
+                return f"worker {index} exited with code {code}"
+        if None not in codes:
+            return None
+        if time.monotonic() > deadline:
+            running = [i for i, code in enumerate(codes) if code is None]
+            return f"workers {running} did not finish within {timeout} s"
+        time.sleep(interval)
 
 
 def train(strategy, task_index, label):
@@ -150,9 +185,9 @@ def main(argv):
         train(tf.distribute.get_strategy(), 0, "single")
         return
     # The workers get this process's whole command line, flags included.
-    codes = launch_local_workers(_WORKERS.value, sys.argv)
-    if any(codes):
-        sys.exit(f"A worker failed: exit codes {codes}.")
+    failure = launch_local_workers(_WORKERS.value, sys.argv)
+    if failure:
+        sys.exit(f"error: {failure}; killed the workers still running.")
 
 
 if __name__ == "__main__":

@@ -108,6 +108,28 @@ class MirroredSkipNonfiniteTest(testing.TestCase):
         )
         self.assertEqual(history.history["skipped_steps"], [1.0])
 
+    def test_steps_around_a_skipped_one_equal_single_device(self):
+        """Four steps, the second skipped for a NaN in the second replica's
+        share: the weights equal a single-device run on the batches
+        without the bad one."""
+        x, y = testing.classification_data(samples=64)
+        x[16 + 12, 0] = np.nan  # batch 2, second half
+        keep = np.ones(len(x), bool)
+        keep[16:32] = False
+        model, history = train(
+            Net, mirrored(), {}, x, y, skip_nonfinite=True, global_clipnorm=1.0
+        )
+        oracle, _ = train(
+            Net,
+            tf.distribute.get_strategy(),
+            {},
+            x[keep],
+            y[keep],
+            global_clipnorm=1.0,
+        )
+        self.assertWeightsClose(model, oracle, atol=2e-6)
+        self.assertEqual(history["skipped_steps"], [1.0, 1.0])
+
 
 class WarningsIgnored:
     """Context manager silencing the expected UserWarnings of plain Keras."""

@@ -17,7 +17,7 @@ _TIMEOUT = 420  # seconds for the whole run, workers included
 
 def run_bounded(*flags):
     """Runs the multi-worker example in its own process group; kills the
-    whole group (launcher and workers) on timeout or failure."""
+    whole group (launcher and workers) when it ends, however it ends."""
     process = subprocess.Popen(
         [sys.executable, _EXAMPLE, *flags],
         stdout=subprocess.PIPE,
@@ -27,13 +27,26 @@ def run_bounded(*flags):
     )
     try:
         output, _ = process.communicate(timeout=_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        kill_group(process)
+        output, _ = process.communicate()  # what it printed until killed
+        raise AssertionError(
+            f"{flags} timed out after {_TIMEOUT} s:\n{output[-4000:]}"
+        ) from None
     finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+        kill_group(process)  # workers outlive a launcher killed by a signal
     if process.returncode != 0:
         raise AssertionError(f"{flags} failed:\n{output[-4000:]}")
     return output
+
+
+def kill_group(process):
+    """Kills the process group `process` leads, then reaps `process`."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass  # the whole group has exited
+    process.wait()
 
 
 class MultiWorkerTest(testing.TestCase):

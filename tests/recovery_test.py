@@ -20,9 +20,21 @@ def script(name, *arguments):
 
 
 def run(command):
-    result = subprocess.run(
-        command, capture_output=True, text=True, timeout=_TIMEOUT, check=False
-    )
+    """Runs `command`; returns its stdout, or fails with its stderr's end."""
+    try:
+        result = subprocess.run(
+            command,
+            capture_output=True,
+            text=True,
+            timeout=_TIMEOUT,
+            check=False,
+        )
+    except subprocess.TimeoutExpired as error:
+        # subprocess.run killed it; POSIX leaves the partial output as bytes.
+        stderr = (error.stderr or b"").decode(errors="replace")
+        raise AssertionError(
+            f"{command} timed out after {_TIMEOUT} s:\n{stderr[-4000:]}"
+        ) from None
     if result.returncode != 0:
         raise AssertionError(result.stderr[-4000:])
     return result.stdout

@@ -55,27 +55,99 @@ def batch_weighted_mean(values, batch=16):
     return sums / sizes
 
 
-def double_tape_step(model, x, y, learning_rate, weight, form):
-    """One SGD step on loss + weight * input-gradient penalty, by hand."""
-    loss_fn = testing.sparse_crossentropy()
-    x = tf.constant(x)
+def double_tape_step(
+    model,
+    x,
+    y,
+    learning_rate,
+    weight,
+    form,
+    sample_weight=None,
+    watch=tf.nest.flatten,
+    forward=lambda model, x: model(x, training=True),
+):
+    """One SGD step on loss + weight * input-gradient penalty, by hand.
+
+    Each sample's penalty `p_i` comes from the gradient of its own unweighted
+    loss with respect to the inputs `watch(x)`; losses and penalties are then
+    weighted as Keras weights a loss: `sum_i w_i * v_i / batch_size`.
+    Returns the updated weights and the penalty before the step.
+    """
+    per_sample_loss = keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True, reduction=None
+    )
+    batch = len(y)
+    w = (
+        tf.ones([batch])
+        if sample_weight is None
+        else tf.constant(sample_weight, tf.float32)
+    )
+    x = tf.nest.map_structure(tf.constant, x)
+    watched = watch(x)
     with tf.GradientTape() as outer:
         with tf.GradientTape() as inner:
-            inner.watch(x)
-            loss = loss_fn(y, model(x, training=True))
-            summed = loss * x.shape[0]
-        per_sample = inner.gradient(summed, x)
-        norms = tf.reduce_sum(tf.square(per_sample), axis=1)
+            inner.watch(watched)
+            losses = per_sample_loss(y, forward(model, x))
+            summed = tf.reduce_sum(losses)
+        per_sample = inner.gradient(summed, watched)
+        norms = tf.add_n(
+            [
+                tf.reduce_sum(tf.square(tf.reshape(g, [batch, -1])), axis=1)
+                for g in per_sample
+            ]
+        )
         if form == "squared_norm":
-            penalty = tf.reduce_mean(norms)
+            p = norms
         else:
-            penalty = tf.reduce_mean(tf.square(tf.sqrt(norms + 1e-12) - 1.0))
-        total = loss + weight * penalty
+            p = tf.square(tf.sqrt(norms + 1e-12) - 1.0)
+        penalty = tf.reduce_sum(w * p) / batch
+        total = tf.reduce_sum(w * losses) / batch + weight * penalty
     grads = outer.gradient(total, model.trainable_variables)
-    return [
-        w.numpy() - learning_rate * g.numpy()
+    updated = [
+        w.numpy() - learning_rate * tf.convert_to_tensor(g).numpy()
         for w, g in zip(model.trainable_variables, grads)
     ]
+    return updated, float(penalty)
+
+
+class UsesOneInput(custom_fit.RegularizationMixin, keras.Model):
+    """Takes a dict of two inputs; only `used` reaches the loss.
+
+    Not a subclass of `Net`: Keras rewrites the bases of a class built as a
+    functional model, which `Net` is in other tests.
+    """
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(
+            3, kernel_initializer=keras.initializers.GlorotUniform(seed=5)
+        )
+
+    def call(self, x):
+        return self.dense(x["used"])
+
+
+class DoublingForward(Net):
+    """Overrides the `forward_pass` hook: the model sees `2 * x`."""
+
+    def forward_pass(self, x, training):
+        return super().forward_pass(2.0 * x, training=training)
+
+
+def tokens_and_features_model(**kwargs):
+    """Returns a model of int32 token ids (3) and float features (4)."""
+    tokens = keras.Input((3,), dtype="int32", name="tokens")
+    features = keras.Input((4,), name="features")
+    embedded = keras.layers.Embedding(
+        5, 2, embeddings_initializer=keras.initializers.RandomNormal(seed=6)
+    )(tokens)
+    merged = keras.layers.Concatenate()(
+        [keras.layers.Flatten()(embedded), features]
+    )
+    outputs = keras.layers.Dense(
+        3, kernel_initializer=keras.initializers.GlorotUniform(seed=7)
+    )(merged)
+    return Net({"tokens": tokens, "features": features}, outputs, **kwargs)
 
 
 class ComponentsInHistoryTest(testing.TestCase):
@@ -217,7 +289,7 @@ class PenaltyOracleTest(testing.TestCase):
         model = testing.mlp(
             Net, input_gradient_penalty=0.5, input_gradient_penalty_form=form
         )
-        expected = double_tape_step(model, x, y, 0.5, 0.5, form)
+        expected, _ = double_tape_step(model, x, y, 0.5, 0.5, form)
         compiled(
             model,
             learning_rate=0.5,
@@ -225,6 +297,86 @@ class PenaltyOracleTest(testing.TestCase):
             jit_compile=mode == "jit",
         )
         model.fit(x, y, batch_size=len(x), verbose=0)
+        self.assertAllClose(model.get_weights(), expected, rtol=1e-5, atol=1e-6)
+
+    @parameterized.parameters("squared_norm", "wgan_gp")
+    def test_sample_weights_weight_each_sample_penalty(self, form):
+        """With sample weights {0, 1, 2} the per-sample gradients are those
+        of the unweighted loss and the penalty is sum_i w_i p_i / batch:
+        weights and logged penalty equal the double-tape oracle."""
+        x, y = testing.classification_data(samples=30)
+        sample_weight = np.tile([0.0, 1.0, 2.0], 10).astype("float32")
+        model = testing.mlp(
+            Net, input_gradient_penalty=0.5, input_gradient_penalty_form=form
+        )
+        expected, penalty = double_tape_step(
+            model, x, y, 0.5, 0.5, form, sample_weight=sample_weight
+        )
+        history = compiled(model, learning_rate=0.5).fit(
+            x, y, sample_weight=sample_weight, batch_size=len(x), verbose=0
+        )
+        self.assertAllClose(model.get_weights(), expected, rtol=1e-5, atol=1e-6)
+        self.assertAllClose(
+            history.history["input_gradient_penalty"][0],
+            0.5 * penalty,
+            rtol=1e-5,
+        )
+
+    def test_input_unused_by_the_loss_has_zero_gradient(self):
+        """A dict input that never reaches the loss counts as a zero input
+        gradient instead of failing on a None gradient."""
+        x, y = testing.classification_data(samples=32)
+        inputs = {"used": x, "unused": np.ones((32, 2), "float32")}
+        model = UsesOneInput(input_gradient_penalty=0.5)
+        expected, _ = double_tape_step(
+            model,
+            inputs,
+            y,
+            0.5,
+            0.5,
+            "squared_norm",
+            watch=lambda x: [x["used"]],
+        )
+        compiled(model, learning_rate=0.5)
+        model.fit(inputs, y, batch_size=32, verbose=0)
+        self.assertAllClose(model.get_weights(), expected, rtol=1e-5, atol=1e-6)
+
+    def test_integer_inputs_left_out_of_the_penalty(self):
+        """With token ids beside float features, only the features are
+        differentiated: the step equals the oracle watching them alone."""
+        x, y = testing.classification_data(samples=32)
+        tokens = np.random.RandomState(3).randint(0, 5, (32, 3))
+        inputs = {"tokens": tokens.astype("int32"), "features": x}
+        model = tokens_and_features_model(input_gradient_penalty=0.5)
+        expected, _ = double_tape_step(
+            model,
+            inputs,
+            y,
+            0.5,
+            0.5,
+            "squared_norm",
+            watch=lambda x: [x["features"]],
+        )
+        compiled(model, learning_rate=0.5)
+        model.fit(inputs, y, batch_size=32, verbose=0)
+        self.assertAllClose(model.get_weights(), expected, rtol=1e-5, atol=1e-6)
+
+    def test_nested_pass_goes_through_forward_pass_hook(self):
+        """An override of `forward_pass` is used by the penalty's second
+        forward pass too: the step equals the oracle on `model(2 * x)`."""
+        x, y = testing.classification_data(samples=32)
+        model = testing.mlp(DoublingForward, input_gradient_penalty=0.5)
+        expected, _ = double_tape_step(
+            model,
+            x,
+            y,
+            0.5,
+            0.5,
+            "squared_norm",
+            forward=lambda model, x: model(2.0 * x, training=True),
+        )
+        compiled(model, learning_rate=0.5)
+        model.fit(x, y, batch_size=32, verbose=0)
         self.assertAllClose(model.get_weights(), expected, rtol=1e-5, atol=1e-6)
 
 
@@ -301,10 +453,37 @@ class BadInputTest(testing.TestCase):
             lambda y_pred: {"data_loss": 1.0},
             "invalid name.*'data_loss'",
         ),
+        ("none_value", lambda y_pred: {"t": None}, "term 't'.*t=None"),
+        (
+            "string_value",
+            lambda y_pred: {"t": "abc"},
+            "term 't'.*t='abc' of dtype string",
+        ),
+        (
+            "grad_norm_name",
+            lambda y_pred: {"grad_norm": 1.0},
+            "invalid name.*'grad_norm'",
+        ),
+        (
+            "grad_norm_clipped_name",
+            lambda y_pred: {"grad_norm_clipped": 1.0},
+            "invalid name.*'grad_norm_clipped'",
+        ),
+        (
+            "skipped_steps_name",
+            lambda y_pred: {"skipped_steps": 1.0},
+            "invalid name.*'skipped_steps'",
+        ),
+        (
+            "clip_rate_name",
+            lambda y_pred: {"clip_rate": 1.0},
+            "invalid name.*'clip_rate'",
+        ),
     )
     def test_bad_hook_output_raises(self, make_terms, message):
-        """A hook returning a non-dict, a non-scalar or a reserved name is
-        refused, naming the term."""
+        """A hook returning a non-dict, a non-scalar, a non-number or a
+        reserved name (also a metric the library reports) is refused,
+        naming the term."""
 
         class Bad(Net):
             def regularization_losses(self, x, y, y_pred):
@@ -316,13 +495,19 @@ class BadInputTest(testing.TestCase):
             model.fit(x, y, verbose=0)
 
     def test_integer_inputs_with_input_gradient_penalty_raise(self):
-        """Token ids have no input gradient: a clear error says so."""
-        inputs = keras.Input((3,), dtype="int32")
+        """Token ids alone have no input gradient: the error names each
+        input and its dtype."""
+        inputs = keras.Input((3,), dtype="int32", name="tokens")
         embedded = keras.layers.Embedding(5, 2)(inputs)
         outputs = keras.layers.Dense(3)(keras.layers.Flatten()(embedded))
-        model = compiled(Net(inputs, outputs, input_gradient_penalty=0.1))
-        with self.assertRaisesRegex(ValueError, "floating-point inputs.*int32"):
-            model.fit(np.zeros((4, 3), "int32"), np.zeros(4), verbose=0)
+        model = compiled(
+            Net({"tokens": inputs}, outputs, input_gradient_penalty=0.1)
+        )
+        x = {"tokens": np.zeros((4, 3), "int32")}
+        with self.assertRaisesRegex(
+            ValueError, r"floating-point input.*x\['tokens'\] of dtype int32"
+        ):
+            model.fit(x, np.zeros(4), verbose=0)
 
 
 class PureFunctionsTest(testing.TestCase):
@@ -342,5 +527,21 @@ class PureFunctionsTest(testing.TestCase):
         self.assertAllClose(
             regularization.input_gradient_penalty(grads, "wgan_gp"),
             8.5,
+            rtol=1e-5,
+        )
+
+    def test_input_gradient_penalty_weighted_hand_values(self):
+        """Weights (2, 0, 1): (2*25 + 0*0 + 1*1) / 3 and
+        (2*(5-1)^2 + 0*(0-1)^2 + 1*(1-1)^2) / 3; a None gradient adds 0."""
+        grads = [tf.constant([[3.0, 4.0], [0.0, 0.0], [1.0, 0.0]]), None]
+        weights = tf.constant([2.0, 0.0, 1.0])
+        self.assertAllClose(
+            regularization.input_gradient_penalty(grads, sample_weight=weights),
+            51.0 / 3.0,
+            rtol=1e-6,
+        )
+        self.assertAllClose(
+            regularization.input_gradient_penalty(grads, "wgan_gp", weights),
+            32.0 / 3.0,
             rtol=1e-5,
         )

@@ -2,6 +2,7 @@
 
 import keras
 import numpy as np
+import tensorflow as tf
 from absl.testing import parameterized
 
 import custom_fit
@@ -57,6 +58,51 @@ class SkipNonfiniteTest(testing.TestCase):
             history.history["loss"],
             oracle.history.history["loss"],
             rtol=1e-5,
+        )
+
+    @parameterized.named_parameters(*testing.EXECUTION_MODES)
+    def test_nan_batch_leaves_layer_state_alone(self, mode):
+        """Batch normalization statistics and the dropout seed after a
+        skipped NaN batch equal a plain Keras run without that batch."""
+        self.assert_layer_state_as_without_nan_batch(mode)
+
+    def test_layer_state_under_mirrored_strategy(self):
+        """The same on two replicas (the NaN in the second one's share)."""
+        self.assert_layer_state_as_without_nan_batch(
+            {}, testing.mirrored_strategy(), batch_size=16
+        )
+
+    def assert_layer_state_as_without_nan_batch(
+        self, mode, strategy=None, batch_size=8
+    ):
+        strategy = strategy or tf.distribute.get_strategy()
+        x, y, x_clean, y_clean = batches_with_nan(batch=batch_size)
+
+        def trained(data, model_class, **kwargs):
+            keras.utils.set_random_seed(0)
+            with strategy.scope():
+                inputs = keras.Input((4,))
+                h = keras.layers.Dense(8, name="hidden")(inputs)
+                h = keras.layers.BatchNormalization(name="norm")(h)
+                h = keras.layers.Dropout(0.25, seed=3, name="drop")(h)
+                outputs = keras.layers.Dense(3, name="output")(h)
+                # Same mode: dropout's masks differ between eager, graph
+                # and XLA.
+                model = compiled(model_class(inputs, outputs, **kwargs), **mode)
+            model.fit(*data, batch_size=batch_size, verbose=0, shuffle=False)
+            return model
+
+        model = trained((x, y), Net, skip_nonfinite=True)
+        oracle = trained((x_clean, y_clean), keras.Model)
+        norm = model.get_layer("norm")
+        self.assertTrue(np.isfinite(norm.moving_mean.numpy()).all())
+        self.assertAllClose(
+            [v.numpy() for v in model.non_trainable_variables],
+            [v.numpy() for v in oracle.non_trainable_variables],
+            rtol=1e-5,
+        )
+        self.assertAllClose(
+            model.get_weights(), oracle.get_weights(), rtol=1e-5
         )
 
     def test_without_skip_nan_reaches_weights(self):

@@ -1,8 +1,8 @@
 """Builds a mixin model under ParameterServerStrategy (in-process cluster).
 
-Run by tests/distribution_limits_test.py in a separate process, because a
-ParameterServerStrategy turns the process's eager context into a cluster
-client. Prints the outcome on the last line.
+Run by tests/recovery_test.py (ParameterServerTest) in a separate
+process, because a ParameterServerStrategy turns the process's eager
+context into a cluster client. Prints the outcome on the last line.
 """
 
 import os

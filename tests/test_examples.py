@@ -52,17 +52,18 @@ class ExamplesTest(testing.TestCase):
         self.assertGreater(validation_accuracy(output), 0.6)
 
     def test_activity_regularization_logs_each_component(self):
-        """Every loss component and its val_ twin is printed."""
-        output = run_example("activity_regularization", "--epochs=1")
-        for name in (
-            "data_loss",
-            "regularization_loss",
-            "l2_penalty",
-            "logit_penalty",
-            "val_data_loss",
-            "val_logit_penalty",
-        ):
+        """Every loss component and its val_ twin is printed, the components
+        add up to the loss, and the model learns."""
+        output = run_example("activity_regularization", "--epochs=3")
+        components = ("data_loss", "regularization_loss", "l2_penalty")
+        for name in (*components, "logit_penalty"):
             self.assertRegex(output, f"(?m)^{name}: [0-9.]+$")
+            self.assertRegex(output, f"(?m)^val_{name}: [0-9.]+$")
+        total = sum(
+            printed(output, name) for name in (*components, "logit_penalty")
+        )
+        self.assertAllClose(total, printed(output, "loss"), rtol=1e-3)
+        self.assertGreater(validation_accuracy(output), 0.5)
 
     def test_mnist_mlp_writes_logs_png_and_csv(self):
         """TensorBoard events, a PNG and a CSV with one column per layer,

@@ -8,6 +8,7 @@ config), never inside the training step.
 import math
 import numbers
 
+import numpy as np
 import tensorflow as tf
 
 
@@ -100,14 +101,15 @@ def boolean(name, value):
         `value`, a Python bool.
 
     Raises:
-        ValueError: If `value` is not `True` or `False`.
+        ValueError: If `value` is not `True` or `False` (a NumPy bool is
+            accepted).
     """
-    if not isinstance(value, bool):
+    if not isinstance(value, (bool, np.bool_)):
         raise ValueError(
             f"`{name}` must be True or False. Received: {name}={value!r}. "
             f"Pass {name}=True or {name}=False."
         )
-    return value
+    return bool(value)
 
 
 def names_or_none(name, value):
@@ -121,19 +123,21 @@ def names_or_none(name, value):
         `None`, or a tuple of strings.
 
     Raises:
-        ValueError: If `value` is a bare string, is not a list or tuple, or
-            holds something other than non-empty strings.
+        ValueError: If `value` is a bare string, is not a list or tuple, is
+            empty, or holds something other than non-empty strings.
     """
     if value is None:
         return None
-    if isinstance(value, (list, tuple)) and all(
-        isinstance(item, str) and item for item in value
+    if (
+        isinstance(value, (list, tuple))
+        and value
+        and all(isinstance(item, str) and item for item in value)
     ):
         return tuple(value)
     raise ValueError(
-        f"`{name}` must be a list of names, or None. "
-        f"Received: {name}={value!r}. Pass a list of strings, even for one "
-        f"name: for example {name}=['dense_1']."
+        f"`{name}` must be a non-empty list of names, or None for the "
+        f"default. Received: {name}={value!r}. Pass a list of strings, even "
+        f"for one name: for example {name}=['dense_1']."
     )
 
 

@@ -4,10 +4,16 @@ A gradient in a list may be a dense tensor, a `tf.IndexedSlices` (the
 gradient of an `Embedding` or of `tf.gather`), or `None` (no gradient).
 """
 
+from collections.abc import Callable
+
 import tensorflow as tf
 
+from custom_fit._types import Gradient
 
-def map_values(function, gradient):
+
+def map_values(
+    function: Callable[[tf.Tensor], tf.Tensor], gradient: Gradient
+) -> Gradient:
     """Applies `function` to the values of `gradient`.
 
     Args:
@@ -27,7 +33,7 @@ def map_values(function, gradient):
     return function(gradient)
 
 
-def deduplicate(gradient):
+def deduplicate(gradient: Gradient) -> Gradient:
     """Sums the rows of an `IndexedSlices` that share an index.
 
     `tape.gradient` returns one row per lookup, so an index looked up twice
@@ -50,7 +56,7 @@ def deduplicate(gradient):
     return tf.IndexedSlices(values, unique_indices, gradient.dense_shape)
 
 
-def values_of(gradient):
+def values_of(gradient: tf.Tensor | tf.IndexedSlices) -> tf.Tensor:
     """Returns the tensor that holds the numbers of `gradient`.
 
     Args:
@@ -64,7 +70,7 @@ def values_of(gradient):
     return gradient
 
 
-def squared_sum(gradient):
+def squared_sum(gradient: tf.Tensor | tf.IndexedSlices) -> tf.Tensor:
     """Returns the sum of squares of the dense equivalent of `gradient`.
 
     Args:
@@ -77,7 +83,7 @@ def squared_sum(gradient):
     return tf.reduce_sum(tf.square(values))
 
 
-def is_finite(gradient):
+def is_finite(gradient: tf.Tensor | tf.IndexedSlices) -> tf.Tensor:
     """Returns whether every entry of `gradient` is finite.
 
     Args:

@@ -8,12 +8,17 @@ through a private method. Each use is isolated here and pinned by
 there first.
 """
 
+from collections.abc import Iterable
+from typing import Any
+
+import keras
 import tensorflow as tf
 
 from custom_fit import pipeline
+from custom_fit._types import Logs
 
 
-def call_model(model, x, training):
+def call_model(model: keras.Model, x: Any, training: bool) -> Any:
     """Calls `model` on `x`, passing `training` only if `call` accepts it.
 
     Keras records whether `call` has a `training` argument in
@@ -24,7 +29,14 @@ def call_model(model, x, training):
     return model(x)
 
 
-def compute_loss(model, x, y, y_pred, sample_weight, training):
+def compute_loss(
+    model: keras.Model,
+    x: Any,
+    y: Any,
+    y_pred: Any,
+    sample_weight: Any,
+    training: bool,
+) -> tf.Tensor:
     """Calls `model.compute_loss`, also for overrides without `training`.
 
     `Trainer._compute_loss` is Keras' own compatibility wrapper for
@@ -44,7 +56,7 @@ def compute_loss(model, x, y, y_pred, sample_weight, training):
     )
 
 
-def batch_size(x, dtype):
+def batch_size(x: Any, dtype: tf.DType) -> tf.Tensor:
     """Returns the size of the batch `x` (its first input's first axis).
 
     Args:
@@ -58,7 +70,12 @@ def batch_size(x, dtype):
     return tf.cast(tf.shape(first_input)[0], dtype)
 
 
-def track_loss(model, loss, x, counted=None):
+def track_loss(
+    model: keras.Model,
+    loss: tf.Tensor,
+    x: Any,
+    counted: tf.Tensor | None = None,
+) -> None:
     """Updates the `loss` metric exactly as Keras' `train_step` does.
 
     `Trainer._loss_tracker` is the `Mean` metric behind `logs["loss"]`. Keras
@@ -82,7 +99,7 @@ def track_loss(model, loss, x, counted=None):
     model._loss_tracker.update_state(loss, sample_weight=weight)
 
 
-def symbolic_build_batch(model, iterator):
+def symbolic_build_batch(model: keras.Model, iterator: Iterable[Any]) -> Any:
     """Returns a batch of local tensors for Keras' `_maybe_symbolic_build`.
 
     Keras 3.15 builds the model before `fit` from the first batch, averaged
@@ -105,7 +122,7 @@ def symbolic_build_batch(model, iterator):
         batch = next(data_iterator)
         break
 
-    def local(value):
+    def local(value: Any) -> Any:
         if isinstance(value, tf.distribute.DistributedValues):
             return strategy.experimental_local_results(value)[0]
         return value
@@ -113,7 +130,7 @@ def symbolic_build_batch(model, iterator):
     return tf.nest.map_structure(local, batch)
 
 
-def reducible_logs(model, logs):
+def reducible_logs(model: keras.Model, logs: Logs) -> Logs:
     """Returns step logs that Keras can reduce across workers.
 
     Keras 3.15 reduces each log of a step with `strategy.reduce("MEAN", v,
@@ -139,7 +156,7 @@ def reducible_logs(model, logs):
     }
 
 
-def is_multi_worker(model):
+def is_multi_worker(model: keras.Model) -> bool:
     """Returns whether `model` was built under MultiWorkerMirroredStrategy."""
     return isinstance(
         getattr(model, "_distribute_strategy", None),

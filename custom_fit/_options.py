@@ -14,6 +14,9 @@ attribute of the same name (`model.clipnorm`) and read-only: the training
 step is traced with these values, so they are fixed at construction.
 """
 
+from collections.abc import Callable
+from typing import Any
+
 
 class Option:
     """A validated, read-only constructor keyword of a mixin.
@@ -24,22 +27,24 @@ class Option:
             `ValueError` for a bad value and returns the value to store.
     """
 
-    def __init__(self, default, validate):
+    def __init__(
+        self, default: Any, validate: Callable[[str, Any], Any]
+    ) -> None:
         self.default = default
         self.validate = validate
-        self.name = None
+        self.name: str | None = None
 
-    def __set_name__(self, owner, name):
+    def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
 
-    def __get__(self, instance, owner=None):
+    def __get__(self, instance: object, owner: type | None = None) -> Any:
         if instance is None:
             return self
         return instance.__dict__.get("_custom_fit_options", {}).get(
             self.name, self.default
         )
 
-    def __set__(self, instance, value):
+    def __set__(self, instance: object, value: Any) -> None:
         raise AttributeError(
             f"`{self.name}` is fixed when the model is built, because the "
             f"training step is traced with it. Received an assignment: "
@@ -48,7 +53,7 @@ class Option:
         )
 
 
-def declared_options(cls):
+def declared_options(cls: type) -> dict[str, Option]:
     """Returns the `Option`s that `cls` and its bases declare.
 
     Args:
@@ -66,7 +71,7 @@ def declared_options(cls):
     return options
 
 
-def store_options(instance, values):
+def store_options(instance: object, values: dict[str, Any]) -> None:
     """Validates `values` and stores them on `instance`.
 
     Args:

@@ -3,7 +3,7 @@
 import tensorflow as tf
 
 
-def local_variable(initial_value, name):
+def local_variable(initial_value: tf.Tensor, name: str) -> tf.Variable:
     """Returns a non-trainable variable that replicas write without syncing.
 
     Under `tf.distribute` it is an `ON_READ` variable: each replica assigns

@@ -7,12 +7,14 @@ config), never inside the training step.
 
 import math
 import numbers
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import tensorflow as tf
 
 
-def positive_float_or_none(name, value):
+def positive_float_or_none(name: str, value: Any) -> float | None:
     """Returns `value` as a float, or `None`, after checking it.
 
     Args:
@@ -42,7 +44,7 @@ def positive_float_or_none(name, value):
     return float(value)
 
 
-def positive_float(name, value):
+def positive_float(name: str, value: Any) -> float:
     """Returns `value` as a float after checking it; `None` is refused.
 
     Args:
@@ -63,7 +65,7 @@ def positive_float(name, value):
     return positive_float_or_none(name, value)
 
 
-def positive_int_or_none(name, value):
+def positive_int_or_none(name: str, value: Any) -> int | None:
     """Returns `value` as an int, or `None`, after checking it.
 
     Args:
@@ -90,7 +92,7 @@ def positive_int_or_none(name, value):
     return int(value)
 
 
-def boolean(name, value):
+def boolean(name: str, value: Any) -> bool:
     """Returns `value` after checking that it is a bool.
 
     Args:
@@ -112,7 +114,7 @@ def boolean(name, value):
     return bool(value)
 
 
-def names_or_none(name, value):
+def names_or_none(name: str, value: Any) -> tuple[str, ...] | None:
     """Returns `value` as a tuple of names (layers, variables), or `None`.
 
     Args:
@@ -141,7 +143,7 @@ def names_or_none(name, value):
     )
 
 
-def one_of(allowed):
+def one_of(allowed: tuple[str, ...]) -> Callable[[str, Any], str]:
     """Returns a validator accepting only the strings in `allowed`.
 
     Args:
@@ -152,7 +154,7 @@ def one_of(allowed):
         `allowed`, for any other value.
     """
 
-    def validate(name, value):
+    def validate(name: str, value: Any) -> str:
         if value not in allowed:
             raise ValueError(
                 f"`{name}` must be one of {allowed}. Received: "
@@ -163,7 +165,9 @@ def one_of(allowed):
     return validate
 
 
-def subset_of(allowed):
+def subset_of(
+    allowed: tuple[str, ...],
+) -> Callable[[str, Any], tuple[str, ...]]:
     """Returns a validator accepting a list or tuple of strings in `allowed`.
 
     Args:
@@ -174,7 +178,7 @@ def subset_of(allowed):
         `allowed`, for anything else.
     """
 
-    def validate(name, value):
+    def validate(name: str, value: Any) -> tuple[str, ...]:
         if isinstance(value, (list, tuple)) and all(
             item in allowed for item in value
         ):
@@ -187,7 +191,7 @@ def subset_of(allowed):
     return validate
 
 
-def scalar_tensor(value, what, name):
+def scalar_tensor(value: Any, what: str, name: str) -> tf.Tensor:
     """Returns `value` as a tensor after checking that it is a numeric scalar.
 
     Runs at trace time, where static shapes are known.

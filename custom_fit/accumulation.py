@@ -10,9 +10,14 @@ per update. With SGD and equal micro-batches, `steps` micro-batches of size
 `B` then give the update of one batch of `steps * B`, clipped.
 """
 
+from collections.abc import Sequence
+
 import tensorflow as tf
 
 from custom_fit import _state
+from custom_fit._types import Gradient
+from custom_fit._types import Gradients
+from custom_fit._types import Variable
 
 
 class GradientAccumulator:
@@ -38,7 +43,7 @@ class GradientAccumulator:
     ```
     """
 
-    def __init__(self, variables, steps):
+    def __init__(self, variables: Sequence[Variable], steps: int) -> None:
         self.steps = steps
         with tf.init_scope():
             self.count = _state.local_variable(
@@ -51,7 +56,9 @@ class GradientAccumulator:
                 for variable in variables
             ]
 
-    def accumulate(self, gradients):
+    def accumulate(
+        self, gradients: Sequence[Gradient]
+    ) -> tuple[Gradients, tf.Tensor]:
         """Adds `gradients` to the sums; returns their mean and the flag.
 
         Args:
@@ -66,7 +73,7 @@ class GradientAccumulator:
             sums are reset to zero.
         """
         is_update = tf.equal((self.count + 1) % self.steps, 0)
-        means = []
+        means: Gradients = []
         for gradient, running_sum in zip(gradients, self.sums):
             if gradient is None:
                 means.append(None)

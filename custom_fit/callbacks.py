@@ -9,12 +9,15 @@ import csv
 import math
 import os
 import warnings
+from typing import Any
 
 import keras
 import numpy as np
 
+from custom_fit._types import Logs
 
-def _check_inspected(callback, model):
+
+def _check_inspected(callback: keras.callbacks.Callback, model: Any) -> None:
     """Raises if `model` does not record gradient norms."""
     if not hasattr(model, "gradient_norms"):
         raise ValueError(
@@ -25,7 +28,7 @@ def _check_inspected(callback, model):
         )
 
 
-def _new_figures(callback):
+def _new_figures(callback: Any) -> bool:
     """Returns whether the model inspected a step since the last call.
 
     With `inspect_every > 1`, gradient accumulation or before the first
@@ -38,7 +41,7 @@ def _new_figures(callback):
     return True
 
 
-def _check_frequency(name, value):
+def _check_frequency(name: str, value: Any) -> int:
     """Returns `value` if it is an integer >= 1, else raises `ValueError`."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(
@@ -72,20 +75,20 @@ class GradientNormHistory(keras.callbacks.Callback):
     ```
     """
 
-    def __init__(self, every_n_batches=1):
+    def __init__(self, every_n_batches: int = 1) -> None:
         super().__init__()
         self.every_n_batches = _check_frequency(
             "every_n_batches", every_n_batches
         )
-        self.steps = []
-        self.norms = {}
+        self.steps: list[int] = []
+        self.norms: dict[str, list[float]] = {}
         self._calls = 0
         self._last_count = 0
 
-    def on_train_begin(self, logs=None):
+    def on_train_begin(self, logs: Logs | None = None) -> None:
         _check_inspected(self, self.model)
 
-    def on_train_batch_end(self, batch, logs=None):
+    def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
         self._calls += 1
         if self._calls % self.every_n_batches or not _new_figures(self):
             return
@@ -96,7 +99,7 @@ class GradientNormHistory(keras.callbacks.Callback):
             history.extend([math.nan] * (len(self.steps) - 1 - len(history)))
             history.append(norm)
 
-    def to_csv(self, path):
+    def to_csv(self, path: str | os.PathLike[str]) -> None:
         """Writes `step,<layer>,...` rows, one per recorded step.
 
         Args:
@@ -109,7 +112,11 @@ class GradientNormHistory(keras.callbacks.Callback):
             for row, step in enumerate(self.steps):
                 writer.writerow([step, *(self.norms[k][row] for k in layers)])
 
-    def plot(self, path, title="Gradient norm per layer"):
+    def plot(
+        self,
+        path: str | os.PathLike[str],
+        title: str = "Gradient norm per layer",
+    ) -> None:
         """Writes a PNG of per-layer gradient norms over steps (log scale).
 
         Args:
@@ -168,18 +175,24 @@ class GradientTensorBoard(keras.callbacks.Callback):
     ```
     """
 
-    def __init__(self, log_dir, update_freq="epoch", histograms=True):
+    def __init__(
+        self,
+        log_dir: str | os.PathLike[str],
+        update_freq: int | str = "epoch",
+        histograms: bool = True,
+    ) -> None:
         super().__init__()
         if update_freq != "epoch":
             _check_frequency("update_freq", update_freq)
         self.log_dir = os.fspath(log_dir)
         self.update_freq = update_freq
         self.histograms = histograms
-        self._writer = None
+        # A tf.summary.SummaryWriter, created at the first write.
+        self._writer: Any = None
         self._calls = 0
         self._last_count = 0
 
-    def on_train_begin(self, logs=None):
+    def on_train_begin(self, logs: Logs | None = None) -> None:
         _check_inspected(self, self.model)
         try:
             import tensorboard  # noqa: F401  (tf.summary writes with it)
@@ -196,21 +209,21 @@ class GradientTensorBoard(keras.callbacks.Callback):
                 "Pass keep_gradients=True to the model, or histograms=False."
             )
 
-    def on_train_batch_end(self, batch, logs=None):
+    def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
         self._calls += 1
         if self.update_freq != "epoch" and not self._calls % self.update_freq:
             self._write()
 
-    def on_epoch_end(self, epoch, logs=None):
+    def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
         if self.update_freq == "epoch":
             self._write()
 
-    def on_train_end(self, logs=None):
+    def on_train_end(self, logs: Logs | None = None) -> None:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
 
-    def _write(self):
+    def _write(self) -> None:
         """Writes the per-layer figures of a newly inspected step, if any."""
         import tensorflow as tf
 
@@ -269,7 +282,9 @@ class GradientAlarm(keras.callbacks.Callback):
 
     ACTIONS = ("stop", "warn")
 
-    def __init__(self, max_norm=None, action="stop"):
+    def __init__(
+        self, max_norm: float | None = None, action: str = "stop"
+    ) -> None:
         super().__init__()
         if action not in self.ACTIONS:
             raise ValueError(
@@ -287,13 +302,13 @@ class GradientAlarm(keras.callbacks.Callback):
             )
         self.max_norm = max_norm
         self.action = action
-        self.triggered = None
-        self._warned = set()
+        self.triggered: tuple[int, str, float] | None = None
+        self._warned: set[str] = set()
 
-    def on_train_begin(self, logs=None):
+    def on_train_begin(self, logs: Logs | None = None) -> None:
         _check_inspected(self, self.model)
 
-    def on_train_batch_end(self, batch, logs=None):
+    def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
         norms = self.model.gradient_norms
         bad = self._bad_layers(norms)
         if not bad:
@@ -322,7 +337,7 @@ class GradientAlarm(keras.callbacks.Callback):
             self._warned.add(layer)
             warnings.warn(message, UserWarning, stacklevel=2)
 
-    def _bad_layers(self, norms):
+    def _bad_layers(self, norms: dict[str, float]) -> list[str]:
         """Returns the names of the bad layers, in `model.layers` order."""
         return [
             layer

@@ -17,16 +17,22 @@ summed), so every norm and every element-wise clip acts on the true dense
 gradient. Norms are accumulated in float32.
 """
 
+from collections.abc import Hashable
+from collections.abc import Sequence
+
 import tensorflow as tf
 
 from custom_fit import _gradient_ops
+from custom_fit._types import Gradient
+from custom_fit._types import Gradients
+from custom_fit._types import Weight
 
 # Smallest gradient norm divided by in adaptive clipping, as in the NFNet
 # reference implementation (Brock et al., 2021).
 _ADAPTIVE_GRADIENT_NORM_FLOOR = 1e-6
 
 
-def global_norm(gradients):
+def global_norm(gradients: Sequence[Gradient]) -> tf.Tensor:
     """Returns the L2 norm of all gradients taken together.
 
     Args:
@@ -48,7 +54,7 @@ def global_norm(gradients):
     return tf.sqrt(tf.add_n(squares))
 
 
-def all_finite(gradients):
+def all_finite(gradients: Sequence[Gradient]) -> tf.Tensor:
     """Returns whether every entry of every gradient is finite.
 
     Args:
@@ -69,7 +75,7 @@ def all_finite(gradients):
     return tf.reduce_all(tf.stack(flags))
 
 
-def clip_by_value(gradients, clipvalue):
+def clip_by_value(gradients: Sequence[Gradient], clipvalue: float) -> Gradients:
     """Clips every entry of every gradient to `[-clipvalue, clipvalue]`.
 
     Same semantics as the `clipvalue` argument of `keras.optimizers`.
@@ -96,19 +102,21 @@ def clip_by_value(gradients, clipvalue):
     ]
 
 
-def _scale(gradient, factor):
+def _scale(
+    gradient: tf.Tensor | tf.IndexedSlices, factor: tf.Tensor
+) -> Gradient:
     """Multiplies `gradient` by a float32 scalar `factor`."""
     return _gradient_ops.map_values(
         lambda v: v * tf.cast(factor, v.dtype), gradient
     )
 
 
-def _clip_factor(norm, max_norm):
+def _clip_factor(norm: tf.Tensor, max_norm: float) -> tf.Tensor:
     """Returns `max_norm / max(norm, max_norm)`: 1 when within the bound."""
     return max_norm / tf.maximum(norm, max_norm)
 
 
-def clip_by_norm(gradients, clipnorm):
+def clip_by_norm(gradients: Sequence[Gradient], clipnorm: float) -> Gradients:
     """Rescales each gradient separately so its L2 norm is at most `clipnorm`.
 
     Same semantics as the `clipnorm` argument of `keras.optimizers`.
@@ -126,7 +134,7 @@ def clip_by_norm(gradients, clipnorm):
     array([0.6, 0.8], dtype=float32)
     ```
     """
-    clipped = []
+    clipped: Gradients = []
     for g in gradients:
         if g is None:
             clipped.append(None)
@@ -137,7 +145,9 @@ def clip_by_norm(gradients, clipnorm):
     return clipped
 
 
-def clip_by_global_norm(gradients, global_clipnorm):
+def clip_by_global_norm(
+    gradients: Sequence[Gradient], global_clipnorm: float
+) -> Gradients:
     """Rescales all gradients together so their global norm is at most a bound.
 
     Same semantics as the `global_clipnorm` argument of `keras.optimizers`
@@ -168,7 +178,11 @@ def clip_by_global_norm(gradients, global_clipnorm):
     return [None if g is None else _scale(g, factor) for g in gradients]
 
 
-def clip_by_group_norm(gradients, groups, clipnorm):
+def clip_by_group_norm(
+    gradients: Sequence[Gradient],
+    groups: Sequence[Hashable | None],
+    clipnorm: float,
+) -> Gradients:
     """Rescales each group of gradients jointly to a bounded L2 norm.
 
     `GradientClippingMixin(layer_clipnorm=...)` uses this with one group per
@@ -204,7 +218,7 @@ def clip_by_group_norm(gradients, groups, clipnorm):
             "Pass a group key (or None) for every gradient."
         )
     gradients = [_gradient_ops.deduplicate(g) for g in gradients]
-    members = {}
+    members: dict[Hashable, list[int]] = {}
     for index, (g, key) in enumerate(zip(gradients, groups)):
         if g is not None and key is not None:
             members.setdefault(key, []).append(index)
@@ -217,7 +231,7 @@ def clip_by_group_norm(gradients, groups, clipnorm):
     return clipped
 
 
-def unit_norms(tensor):
+def unit_norms(tensor: tf.Tensor) -> tf.Tensor:
     """Returns the L2 norm of each unit of `tensor`, for adaptive clipping.
 
     A unit is a slice along the last axis (an output unit of a `Dense` or
@@ -245,7 +259,12 @@ def unit_norms(tensor):
     )
 
 
-def adaptive_clip(gradients, variables, clipping, eps=1e-3):
+def adaptive_clip(
+    gradients: Sequence[Gradient],
+    variables: Sequence[Weight],
+    clipping: float,
+    eps: float = 1e-3,
+) -> Gradients:
     """Unit-wise adaptive gradient clipping (AGC) of Brock et al. (2021).
 
     For each unit `i` (see `unit_norms`), with weights `W_i` and gradient
@@ -290,7 +309,7 @@ def adaptive_clip(gradients, variables, clipping, eps=1e-3):
             f"len(gradients)={len(gradients)}. Pass the variables in the "
             "same order as the gradients."
         )
-    clipped = []
+    clipped: Gradients = []
     for g, variable in zip(gradients, variables):
         if g is None:
             clipped.append(None)
@@ -299,7 +318,9 @@ def adaptive_clip(gradients, variables, clipping, eps=1e-3):
         weight_norm = unit_norms(tf.convert_to_tensor(variable))
         max_norm = clipping * tf.maximum(weight_norm, eps)
 
-        def clip_values(values, max_norm=max_norm):
+        def clip_values(
+            values: tf.Tensor, max_norm: tf.Tensor = max_norm
+        ) -> tf.Tensor:
             grad_norm = unit_norms(values)
             factor = max_norm / tf.maximum(
                 grad_norm, _ADAPTIVE_GRADIENT_NORM_FLOOR
@@ -312,17 +333,17 @@ def adaptive_clip(gradients, variables, clipping, eps=1e-3):
 
 
 def clip(
-    gradients,
-    variables=None,
-    groups=None,
+    gradients: Sequence[Gradient],
+    variables: Sequence[Weight] | None = None,
+    groups: Sequence[Hashable | None] | None = None,
     *,
-    adaptive_clipping=None,
-    adaptive_clipping_eps=1e-3,
-    clipvalue=None,
-    clipnorm=None,
-    group_clipnorm=None,
-    global_clipnorm=None,
-):
+    adaptive_clipping: float | None = None,
+    adaptive_clipping_eps: float = 1e-3,
+    clipvalue: float | None = None,
+    clipnorm: float | None = None,
+    group_clipnorm: float | None = None,
+    global_clipnorm: float | None = None,
+) -> Gradients:
     """Applies every requested kind of clipping, finest first.
 
     The order is: adaptive (per unit), `clipvalue` (per entry), `clipnorm`

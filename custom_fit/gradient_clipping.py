@@ -1,8 +1,13 @@
 """`GradientClippingMixin`: clipping of the true gradients."""
 
+from collections.abc import Sequence
+from typing import Any
+
 from custom_fit import _options
 from custom_fit import _validation
 from custom_fit import clipping
+from custom_fit._types import Gradients
+from custom_fit._types import Variable
 from custom_fit.train_step import TrainStepMixin
 
 _CLIPPING_OPTIONS = (
@@ -89,7 +94,7 @@ class GradientClippingMixin(TrainStepMixin):
     clip_layers = _options.Option(None, _validation.names_or_none)
     no_clip_layers = _options.Option(None, _validation.names_or_none)
 
-    def _configure_options(self, options):
+    def _configure_options(self, options: dict[str, Any]) -> None:
         """Adds a check: `clip_layers` and `no_clip_layers` are exclusive."""
         super()._configure_options(options)
         if self.clip_layers is not None and self.no_clip_layers is not None:
@@ -100,13 +105,15 @@ class GradientClippingMixin(TrainStepMixin):
                 "of them."
             )
 
-    def _clips_gradients(self):
+    def _clips_gradients(self) -> bool:
         """Returns whether any clipping option is set."""
         return any(
             getattr(self, name) is not None for name in _CLIPPING_OPTIONS
         )
 
-    def transform_gradients(self, gradients, variables):
+    def transform_gradients(
+        self, gradients: Gradients, variables: Sequence[Variable]
+    ) -> Gradients:
         """Clips the selected gradients, then calls `super()`.
 
         Runs after `compute_gradients`: the gradients are true (not
@@ -123,7 +130,9 @@ class GradientClippingMixin(TrainStepMixin):
             gradients = self._clip(gradients, variables)
         return super().transform_gradients(gradients, variables)
 
-    def _clip(self, gradients, variables):
+    def _clip(
+        self, gradients: Gradients, variables: Sequence[Variable]
+    ) -> Gradients:
         """Runs `clipping.clip` on the gradients of the selected layers."""
         owners = self._owning_layer_names(variables)
         selected = [self._is_clipped(owner) for owner in owners]
@@ -143,7 +152,7 @@ class GradientClippingMixin(TrainStepMixin):
             for old, new, keep in zip(gradients, clipped, selected)
         ]
 
-    def _is_clipped(self, owner):
+    def _is_clipped(self, owner: str) -> bool:
         """Returns whether gradients of the layer named `owner` are clipped."""
         if self.clip_layers is not None:
             return owner in self.clip_layers
@@ -151,7 +160,7 @@ class GradientClippingMixin(TrainStepMixin):
             return owner not in self.no_clip_layers
         return True
 
-    def _owning_layer_names(self, variables):
+    def _owning_layer_names(self, variables: Sequence[Variable]) -> list[str]:
         """Returns each variable's layer name; checks the selected names.
 
         The check runs at trace time, when the layers are known.

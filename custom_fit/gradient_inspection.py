@@ -1,5 +1,9 @@
 """`GradientInspectionMixin`: per-layer gradient figures from the real step."""
 
+from collections.abc import Callable
+from collections.abc import Sequence
+from typing import Any
+
 import numpy as np
 import tensorflow as tf
 
@@ -8,6 +12,9 @@ from custom_fit import _state
 from custom_fit import _validation
 from custom_fit import clipping
 from custom_fit import inspection
+from custom_fit._types import Gradients
+from custom_fit._types import Optimizer
+from custom_fit._types import Variable
 from custom_fit.train_step import TrainStepMixin
 
 # Relative difference below which two float32 norms of the same gradients,
@@ -78,7 +85,7 @@ class GradientInspectionMixin(TrainStepMixin):
     inspect_every = _options.Option(1, _validation.positive_int_or_none)
     keep_gradients = _options.Option(False, _validation.boolean)
 
-    def _configure_options(self, options):
+    def _configure_options(self, options: dict[str, Any]) -> None:
         """Refuses `inspect_every=None`: a step frequency is needed."""
         super()._configure_options(options)
         if self.inspect_every is None:
@@ -96,13 +103,13 @@ class GradientInspectionMixin(TrainStepMixin):
     # Reading the state (host side).
 
     @property
-    def gradient_norms(self):
+    def gradient_norms(self) -> dict[str, float]:
         """Dict of layer name to gradient norm at the last inspected step."""
         state = self._current_inspection_state()
         return state.read("norm") if state else {}
 
     @property
-    def layer_gradient_statistics(self):
+    def layer_gradient_statistics(self) -> dict[str, dict[str, float]]:
         """Dict of statistic name to a dict of layer name to value."""
         state = self._current_inspection_state()
         if state is None:
@@ -110,7 +117,7 @@ class GradientInspectionMixin(TrainStepMixin):
         return {name: state.read(name) for name in state.figures}
 
     @property
-    def layer_gradients(self):
+    def layer_gradients(self) -> dict[str, list[np.ndarray]]:
         """Dict of layer name to the list of its last inspected gradients."""
         if not self.keep_gradients:
             raise AttributeError(
@@ -119,13 +126,13 @@ class GradientInspectionMixin(TrainStepMixin):
                 "keep_gradients=True to the model's constructor."
             )
         state = self._current_inspection_state()
-        layers = {}
+        layers: dict[str, list[np.ndarray]] = {}
         for owner, variable in state.kept if state else ():
             layers.setdefault(owner, []).append(np.array(variable.numpy()))
         return layers
 
     @property
-    def inspected_step(self):
+    def inspected_step(self) -> int:
         """The training step of the figures: 0 before the first inspection.
 
         It is the optimizer's update count after the inspected step
@@ -135,20 +142,24 @@ class GradientInspectionMixin(TrainStepMixin):
         state = self._current_inspection_state()
         return int(state.step.numpy()) if state else 0
 
-    def _inspection_count(self):
+    def _inspection_count(self) -> int:
         """Returns how many steps were inspected (callbacks spot new ones)."""
         state = self._current_inspection_state()
         return int(state.count.numpy()) if state else 0
 
-    def _current_inspection_state(self):
+    def _current_inspection_state(self) -> "_InspectionState | None":
         """Returns the state of the last traced step, or `None`."""
         return self._inspection_states.get(self._inspection_key)
 
     # In the step.
 
     def inspect_gradients(
-        self, gradients, transformed_gradients, variables, optimizer=None
-    ):
+        self,
+        gradients: Gradients,
+        transformed_gradients: Gradients,
+        variables: Sequence[Variable],
+        optimizer: Optimizer | None = None,
+    ) -> None:
         """Logs the global norms and records the per-layer statistics."""
         super().inspect_gradients(
             gradients, transformed_gradients, variables, optimizer=optimizer
@@ -175,7 +186,7 @@ class GradientInspectionMixin(TrainStepMixin):
             self.report_metric("clip_rate", tf.cast(bit, tf.float32))
         optimizer = optimizer or self.optimizer
 
-        def record():
+        def record() -> None:
             for name, variable in state.figures.items():
                 if name == "norm" and layer_norms is not None:
                     variable.assign(layer_norms)
@@ -191,8 +202,12 @@ class GradientInspectionMixin(TrainStepMixin):
         self._run_when(self._is_inspected_step(optimizer), record)
 
     def apply_gradients(
-        self, gradients, variables, finite=None, optimizer=None
-    ):
+        self,
+        gradients: Gradients,
+        variables: Sequence[Variable],
+        finite: tf.Tensor | None = None,
+        optimizer: Optimizer | None = None,
+    ) -> None:
         """Applies the gradients; records update ratios if requested.
 
         The ratio of a step that `skip_nonfinite` skips is 0 (no update).
@@ -212,14 +227,14 @@ class GradientInspectionMixin(TrainStepMixin):
         owners = self.layer_names_of(variables)
         state = self._inspection_state(owners, variables)
 
-        def record():
+        def record() -> None:
             state.figures["update_ratio"].assign(
                 inspection.update_ratios(before, after, owners, state.layers)
             )
 
         self._run_when(selected, record)
 
-    def _is_inspected_step(self, optimizer):
+    def _is_inspected_step(self, optimizer: Optimizer) -> bool | tf.Tensor:
         """Returns `True`, or a boolean tensor: whether to record this step.
 
         Steps are counted by `optimizer.iterations` (updates).
@@ -229,7 +244,9 @@ class GradientInspectionMixin(TrainStepMixin):
         return tf.equal(optimizer.iterations % self.inspect_every, 0)
 
     @staticmethod
-    def _run_when(selected, record):
+    def _run_when(
+        selected: bool | tf.Tensor, record: Callable[[], None]
+    ) -> None:
         """Runs `record` now if `selected` is `True`, else under a `tf.cond`."""
         if selected is True:
             record()
@@ -240,7 +257,9 @@ class GradientInspectionMixin(TrainStepMixin):
             lambda: tf.constant(False),
         )
 
-    def _inspection_state(self, owners, variables):
+    def _inspection_state(
+        self, owners: Sequence[str], variables: Sequence[Variable]
+    ) -> "_InspectionState":
         """Returns the state of `variables`, created on first use.
 
         Created outside the trace (`tf.init_scope`); see `_InspectionState`.
@@ -274,7 +293,13 @@ class _InspectionState:
         count: The number of inspected steps.
     """
 
-    def __init__(self, owners, variables, statistics, keep_gradients):
+    def __init__(
+        self,
+        owners: Sequence[str],
+        variables: Sequence[Variable],
+        statistics: Sequence[str],
+        keep_gradients: bool,
+    ) -> None:
         self.layers = list(dict.fromkeys(owners))
         with tf.init_scope():
             self.figures = {
@@ -298,7 +323,7 @@ class _InspectionState:
                 tf.constant(0, tf.int64), "inspection_count"
             )
 
-    def read(self, name):
+    def read(self, name: str) -> dict[str, float]:
         """Returns the figure `name` as a dict of layer name to float."""
         values = self.figures[name].numpy()
         return dict(zip(self.layers, (float(v) for v in values)))

@@ -11,9 +11,15 @@ norms = group_norms(grads, model_layer_names, ["dense", "dense_1"])
 ```
 """
 
+from collections.abc import Callable
+from collections.abc import Hashable
+from collections.abc import Sequence
+
 import tensorflow as tf
 
 from custom_fit import _gradient_ops
+from custom_fit._types import Gradient
+from custom_fit._types import Weight
 
 # Statistics that `GradientInspectionMixin(gradient_statistics=...)` offers
 # beside the per-layer norm.
@@ -23,9 +29,14 @@ STATISTICS = ("max_abs", "zero_fraction", "nonfinite_count", "update_ratio")
 _WEIGHT_NORM_FLOOR = 1e-12
 
 
-def _per_group(values, groups, order, combine):
+def _per_group(
+    values: Sequence[tf.Tensor | None],
+    groups: Sequence[Hashable],
+    order: Sequence[Hashable],
+    combine: Callable[[tf.Tensor], tf.Tensor],
+) -> tf.Tensor:
     """Combines per-gradient scalars into one value per group in `order`."""
-    members = {key: [] for key in order}
+    members: dict[Hashable, list[tf.Tensor]] = {key: [] for key in order}
     for value, key in zip(values, groups):
         if value is not None and key in members:
             members[key].append(value)
@@ -37,14 +48,18 @@ def _per_group(values, groups, order, combine):
     )
 
 
-def _dense_size(gradient):
+def _dense_size(gradient: tf.Tensor | tf.IndexedSlices) -> tf.Tensor:
     """Returns the number of entries of the dense equivalent, as float32."""
     if isinstance(gradient, tf.IndexedSlices):
         return tf.cast(tf.reduce_prod(gradient.dense_shape), tf.float32)
     return tf.cast(tf.size(gradient), tf.float32)
 
 
-def group_norms(gradients, groups, order):
+def group_norms(
+    gradients: Sequence[Gradient],
+    groups: Sequence[Hashable],
+    order: Sequence[Hashable],
+) -> tf.Tensor:
     """Returns the joint L2 norm of each group's gradients.
 
     Args:
@@ -69,7 +84,11 @@ def group_norms(gradients, groups, order):
     return tf.sqrt(_per_group(squares, groups, order, tf.reduce_sum))
 
 
-def group_max_abs(gradients, groups, order):
+def group_max_abs(
+    gradients: Sequence[Gradient],
+    groups: Sequence[Hashable],
+    order: Sequence[Hashable],
+) -> tf.Tensor:
     """Returns the largest absolute gradient entry of each group.
 
     Args:
@@ -103,7 +122,11 @@ def group_max_abs(gradients, groups, order):
     return _per_group(maxima, groups, order, tf.reduce_max)
 
 
-def group_zero_fraction(gradients, groups, order):
+def group_zero_fraction(
+    gradients: Sequence[Gradient],
+    groups: Sequence[Hashable],
+    order: Sequence[Hashable],
+) -> tf.Tensor:
     """Returns the fraction of exactly-zero gradient entries of each group.
 
     A high fraction flags dead units (a ReLU that never fires passes back
@@ -125,7 +148,8 @@ def group_zero_fraction(gradients, groups, order):
     array([0.5], dtype=float32)
     ```
     """
-    zeros, sizes = [], []
+    zeros: list[tf.Tensor | None] = []
+    sizes: list[tf.Tensor | None] = []
     for g in gradients:
         if g is None:
             zeros.append(None)
@@ -143,7 +167,11 @@ def group_zero_fraction(gradients, groups, order):
     return tf.math.divide_no_nan(zero_counts, total_sizes)
 
 
-def group_nonfinite_count(gradients, groups, order):
+def group_nonfinite_count(
+    gradients: Sequence[Gradient],
+    groups: Sequence[Hashable],
+    order: Sequence[Hashable],
+) -> tf.Tensor:
     """Returns the number of NaN or infinite gradient entries of each group.
 
     Args:
@@ -176,7 +204,12 @@ def group_nonfinite_count(gradients, groups, order):
     return _per_group(counts, groups, order, tf.reduce_sum)
 
 
-def update_ratios(before, after, groups, order):
+def update_ratios(
+    before: Sequence[Weight],
+    after: Sequence[Weight],
+    groups: Sequence[Hashable],
+    order: Sequence[Hashable],
+) -> tf.Tensor:
     """Returns, per group, the norm of the update over the norm of the weights.
 
     The ratio `||w_after - w_before|| / ||w_before||` is the usual check on a
@@ -212,7 +245,7 @@ def update_ratios(before, after, groups, order):
     return update_norms / tf.maximum(weight_norms, _WEIGHT_NORM_FLOOR)
 
 
-GROUP_STATISTICS = {
+GROUP_STATISTICS: dict[str, Callable[..., tf.Tensor]] = {
     "norm": group_norms,
     "max_abs": group_max_abs,
     "zero_fraction": group_zero_fraction,

@@ -27,15 +27,24 @@ apply_true_gradients(optimizer, grads, variables)
 ```
 """
 
+from collections.abc import Callable
+from collections.abc import Sequence
+from typing import Any
+
 import keras
 import tensorflow as tf
 
 from custom_fit import _gradient_ops
+from custom_fit._types import Gradient
+from custom_fit._types import Gradients
+from custom_fit._types import Variable
 
 _OPTIMIZER_CLIPPING_ARGUMENTS = ("clipnorm", "clipvalue", "global_clipnorm")
 
 
-def loss_scale(optimizer):
+def loss_scale(
+    optimizer: keras.optimizers.Optimizer | None,
+) -> float | tf.Tensor | None:
     """Returns the factor by which `optimizer.scale_loss` multiplies a loss.
 
     Args:
@@ -53,7 +62,7 @@ def loss_scale(optimizer):
     return getattr(optimizer, "loss_scale_factor", None)
 
 
-def replica_count():
+def replica_count() -> int:
     """Returns the number of replicas whose gradients are summed per step.
 
     Returns:
@@ -66,7 +75,11 @@ def replica_count():
     return context.num_replicas_in_sync
 
 
-def _multiply(gradients, variables, factor):
+def _multiply(
+    gradients: Sequence[Gradient],
+    variables: Sequence[Variable],
+    factor: float | tf.Tensor,
+) -> Gradients:
     """Multiplies each gradient by `factor`.
 
     Variables that Keras overwrites with their gradient (float8 scales) are
@@ -82,7 +95,12 @@ def _multiply(gradients, variables, factor):
     ]
 
 
-def compute_true_gradients(tape, scaled_loss, variables, optimizer):
+def compute_true_gradients(
+    tape: tf.GradientTape,
+    scaled_loss: tf.Tensor,
+    variables: Sequence[Variable],
+    optimizer: keras.optimizers.Optimizer | None,
+) -> Gradients:
     """Returns the unscaled gradients of the global batch.
 
     Call it in the replica context of a training step (inside `train_step`,
@@ -110,7 +128,7 @@ def compute_true_gradients(tape, scaled_loss, variables, optimizer):
     return all_reduce_sum(gradients)
 
 
-def all_reduce_sum(gradients):
+def all_reduce_sum(gradients: Sequence[Gradient]) -> Gradients:
     """Sums gradients across the replicas of the current replica context.
 
     Args:
@@ -133,7 +151,12 @@ def all_reduce_sum(gradients):
     return [None if g is None else next(summed) for g in gradients]
 
 
-def apply_true_gradients(optimizer, gradients, variables, finite=None):
+def apply_true_gradients(
+    optimizer: keras.optimizers.Optimizer,
+    gradients: Sequence[Gradient],
+    variables: Sequence[Variable],
+    finite: tf.Tensor | None = None,
+) -> None:
     """Applies true gradients with `optimizer`, scaled so it sees them once.
 
     `optimizer.apply` divides by the loss scale and sums across replicas.
@@ -182,7 +205,9 @@ def apply_true_gradients(optimizer, gradients, variables, finite=None):
         )
 
 
-def optimizer_clipping(optimizer):
+def optimizer_clipping(
+    optimizer: keras.optimizers.Optimizer | None,
+) -> dict[str, float]:
     """Returns the clipping arguments that `optimizer` itself applies.
 
     Args:
@@ -194,7 +219,7 @@ def optimizer_clipping(optimizer):
         arguments (empty when the optimizer does not clip).
     """
     optimizer = getattr(optimizer, "inner_optimizer", optimizer)
-    found = {}
+    found: dict[str, float] = {}
     for name in _OPTIMIZER_CLIPPING_ARGUMENTS:
         value = getattr(optimizer, name, None)
         if value:
@@ -202,7 +227,11 @@ def optimizer_clipping(optimizer):
     return found
 
 
-def run_if(condition, function, args=()):
+def run_if(
+    condition: tf.Tensor,
+    function: Callable[..., object],
+    args: tuple[Any, ...] = (),
+) -> None:
     """Runs `function(*args)` only when `condition` is true, on every replica.
 
     Outside `tf.distribute` this is a `tf.cond`. Under a strategy, the
@@ -224,21 +253,25 @@ def run_if(condition, function, args=()):
         args: Tuple of (nested) per-replica tensors passed to `function`.
     """
 
-    def run():
+    def run() -> tf.Tensor:
         function(*args)
         return tf.constant(True)
 
-    def skip():
+    def skip() -> tf.Tensor:
         return tf.constant(False)
 
     if _outside_replica_context():
         tf.cond(condition, run, skip)
         return
 
-    def cross_replica(strategy, condition, args):
+    def cross_replica(
+        strategy: tf.distribute.Strategy,
+        condition: tf.Tensor,
+        args: tuple[Any, ...],
+    ) -> None:
         first = strategy.experimental_local_results(condition)[0]
 
-        def run_on_each_replica():
+        def run_on_each_replica() -> tf.Tensor:
             strategy.extended.call_for_each_replica(function, args=args)
             return tf.constant(True)
 
@@ -249,7 +282,9 @@ def run_if(condition, function, args=()):
     )
 
 
-def assign_variables(variables, values):
+def assign_variables(
+    variables: Sequence[Variable], values: Sequence[tf.Tensor]
+) -> None:
     """Assigns `values` to model variables, in replica context too.
 
     Keras model variables are mirrored under `tf.distribute` and refuse a
@@ -265,7 +300,9 @@ def assign_variables(variables, values):
             variable.assign(value)
         return
 
-    def cross_replica(strategy, values):
+    def cross_replica(
+        strategy: tf.distribute.Strategy, values: list[tf.Tensor]
+    ) -> None:
         for variable, value in zip(variables, values):
             strategy.extended.update(
                 getattr(variable, "value", variable),
@@ -279,7 +316,7 @@ def assign_variables(variables, values):
     )
 
 
-def _outside_replica_context():
+def _outside_replica_context() -> bool:
     """Returns whether no strategy's replica context is current."""
     return (
         not tf.distribute.has_strategy()

@@ -8,7 +8,16 @@ penalty = custom_fit.regularization.l2_penalty(
 ```
 """
 
+from collections.abc import Callable
+from collections.abc import Collection
+from collections.abc import Iterable
+from collections.abc import Sequence
+from typing import Any
+
 import tensorflow as tf
+
+from custom_fit._types import Variable
+from custom_fit._types import Weight
 
 # Variable names penalized by default: weight matrices, not biases or
 # normalization scales and offsets.
@@ -20,7 +29,7 @@ INPUT_GRADIENT_FORMS = ("squared_norm", "wgan_gp")
 _NORM_EPSILON = 1e-12
 
 
-def variable_name(variable):
+def variable_name(variable: Variable) -> str:
     """Returns the last component of a variable's path ("kernel", "bias").
 
     Args:
@@ -42,7 +51,10 @@ def variable_name(variable):
     return path.split("/")[-1].split(":")[0]
 
 
-def select_variables(variables, names=DEFAULT_PENALIZED_NAMES):
+def select_variables(
+    variables: Iterable[Variable],
+    names: Collection[str] = DEFAULT_PENALIZED_NAMES,
+) -> list[Variable]:
     """Returns the variables whose name (last path component) is in `names`.
 
     Args:
@@ -65,7 +77,7 @@ def select_variables(variables, names=DEFAULT_PENALIZED_NAMES):
     return [v for v in variables if variable_name(v) in names]
 
 
-def l1_penalty(variables, l1):
+def l1_penalty(variables: Iterable[Weight], l1: float) -> tf.Tensor:
     """Returns `l1 * sum(|w|)` over `variables`, as `keras.regularizers.L1`.
 
     Args:
@@ -85,7 +97,7 @@ def l1_penalty(variables, l1):
     return l1 * _sum_over(variables, tf.abs)
 
 
-def l2_penalty(variables, l2):
+def l2_penalty(variables: Iterable[Weight], l2: float) -> tf.Tensor:
     """Returns `l2 * sum(w**2)` over `variables`, as `keras.regularizers.L2`.
 
     Args:
@@ -106,8 +118,10 @@ def l2_penalty(variables, l2):
 
 
 def input_gradient_penalty(
-    input_gradients, form="squared_norm", sample_weight=None
-):
+    input_gradients: Sequence[tf.Tensor | None],
+    form: str = "squared_norm",
+    sample_weight: Any = None,
+) -> tf.Tensor:
     """Returns the batch's penalty on per-sample input gradients.
 
     With `g_i` the gradient of sample `i`'s (unweighted) loss with respect to
@@ -188,7 +202,7 @@ def input_gradient_penalty(
     return tf.reduce_sum(weights * per_sample) / batch_size
 
 
-def _per_sample_squared_norm(gradient):
+def _per_sample_squared_norm(gradient: tf.Tensor) -> tf.Tensor:
     """Returns the squared L2 norm of each row (sample) of `gradient`."""
     gradient = tf.convert_to_tensor(gradient)
     flat = tf.reshape(
@@ -197,7 +211,10 @@ def _per_sample_squared_norm(gradient):
     return tf.reduce_sum(tf.square(flat), axis=1)
 
 
-def _sum_over(variables, elementwise):
+def _sum_over(
+    variables: Iterable[Weight],
+    elementwise: Callable[[tf.Tensor], tf.Tensor],
+) -> tf.Tensor:
     """Returns the float32 sum of `elementwise(v)` over all variables."""
     total = tf.constant(0.0)
     for v in variables:

@@ -1,5 +1,7 @@
 """`RegularizationMixin`: named loss components, penalties, as metrics."""
 
+from typing import Any
+
 import keras
 import tensorflow as tf
 
@@ -8,6 +10,7 @@ from custom_fit import _options
 from custom_fit import _validation
 from custom_fit import pipeline
 from custom_fit import regularization
+from custom_fit._types import Scalar
 from custom_fit.train_step import TrainStepMixin
 
 _BUILT_IN_TERMS = ("l1_penalty", "l2_penalty", "input_gradient_penalty")
@@ -94,7 +97,9 @@ class RegularizationMixin(TrainStepMixin):
         "squared_norm", _validation.one_of(regularization.INPUT_GRADIENT_FORMS)
     )
 
-    def regularization_losses(self, x, y, y_pred):
+    def regularization_losses(
+        self, x: Any, y: Any, y_pred: Any
+    ) -> dict[str, Scalar]:
         """Returns named penalties to add to the loss. Override it.
 
         Runs inside `compute_loss`, in `train_step` and `test_step`, after
@@ -113,8 +118,13 @@ class RegularizationMixin(TrainStepMixin):
         return {}
 
     def compute_loss(
-        self, x=None, y=None, y_pred=None, sample_weight=None, training=True
-    ):
+        self,
+        x: Any = None,
+        y: Any = None,
+        y_pred: Any = None,
+        sample_weight: Any = None,
+        training: bool = True,
+    ) -> tf.Tensor:
         """Returns Keras' loss plus every penalty, logging each component.
 
         Args:
@@ -150,9 +160,16 @@ class RegularizationMixin(TrainStepMixin):
             total += tf.cast(value, total.dtype) / replicas
         return total
 
-    def _penalties(self, x, y, y_pred, sample_weight, training):
+    def _penalties(
+        self,
+        x: Any,
+        y: Any,
+        y_pred: Any,
+        sample_weight: Any,
+        training: bool,
+    ) -> dict[str, tf.Tensor]:
         """Returns the keyword penalties and the hook's terms, checked."""
-        terms = {}
+        terms: dict[str, tf.Tensor] = {}
         penalized = regularization.select_variables(
             self.trainable_variables, self.penalized_variable_names or ()
         )
@@ -168,7 +185,9 @@ class RegularizationMixin(TrainStepMixin):
         terms.update(self._checked_hook_terms(x, y, y_pred))
         return terms
 
-    def _checked_hook_terms(self, x, y, y_pred):
+    def _checked_hook_terms(
+        self, x: Any, y: Any, y_pred: Any
+    ) -> dict[str, tf.Tensor]:
         """Calls `regularization_losses` and checks what it returns."""
         terms = self.regularization_losses(x, y, y_pred)
         if not isinstance(terms, dict):
@@ -193,7 +212,9 @@ class RegularizationMixin(TrainStepMixin):
             )
         return checked
 
-    def _input_gradient_term(self, x, y, sample_weight, training):
+    def _input_gradient_term(
+        self, x: Any, y: Any, sample_weight: Any, training: bool
+    ) -> tf.Tensor:
         """Returns the input-gradient penalty of this batch.
 
         A second forward pass, through the `forward_pass` hook, runs under a
@@ -249,6 +270,6 @@ class RegularizationMixin(TrainStepMixin):
         )
 
 
-def _input_label(path):
+def _input_label(path: tuple[Any, ...]) -> str:
     """Returns how to name an input in messages: `x`, `x[0]`, `x['ids']`."""
     return "x" + "".join(f"[{key!r}]" for key in path)

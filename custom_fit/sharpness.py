@@ -12,12 +12,21 @@ module holds that formula; `custom_fit.SharpnessAwareMixin` runs the two
 passes inside `fit`.
 """
 
+from collections.abc import Sequence
+
 import tensorflow as tf
 
 from custom_fit import clipping
+from custom_fit._types import Gradient
+from custom_fit._types import Weight
 
 
-def perturbed_weights(variables, gradients, rho, eps=1e-12):
+def perturbed_weights(
+    variables: Sequence[Weight],
+    gradients: Sequence[Gradient],
+    rho: float,
+    eps: float = 1e-12,
+) -> list[tf.Tensor]:
     """Returns the weights `w + rho * g / (||g|| + eps)` of SAM's 2nd pass.
 
     Args:

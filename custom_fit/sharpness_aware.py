@@ -1,5 +1,7 @@
 """`SharpnessAwareMixin`: SAM's two passes inside `fit`."""
 
+from typing import Any
+
 import keras
 import tensorflow as tf
 
@@ -8,6 +10,7 @@ from custom_fit import _options
 from custom_fit import _validation
 from custom_fit import pipeline
 from custom_fit import sharpness
+from custom_fit._types import Logs
 from custom_fit.train_step import TrainStepMixin
 
 
@@ -56,7 +59,7 @@ class SharpnessAwareMixin(TrainStepMixin):
 
     sam_rho = _options.Option(0.05, _validation.positive_float)
 
-    def train_step(self, data):
+    def train_step(self, data: Any) -> Logs:
         """Runs SAM's two passes, then tracks the first pass's metrics.
 
         Args:
@@ -95,7 +98,9 @@ class SharpnessAwareMixin(TrainStepMixin):
         self._restore_layer_state_if_skipped(layer_state, counted)
         return self._end_train_step(x, y, y_pred, sample_weight, loss, counted)
 
-    def _forward_and_loss(self, x, y, sample_weight):
+    def _forward_and_loss(
+        self, x: Any, y: Any, sample_weight: Any
+    ) -> tuple[Any, tf.Tensor]:
         """Returns `(y_pred, loss)` of a training forward pass."""
         y_pred = self.forward_pass(x, training=True)
         loss = _keras_compat.compute_loss(

@@ -1,21 +1,33 @@
 """`TrainStepMixin`: `train_step` and `test_step` as a pipeline of hooks."""
 
 import warnings
+from collections.abc import Sequence
+from typing import Any
+from typing import TypeVar
 
 import keras
 import tensorflow as tf
 
 from custom_fit import _keras_compat
 from custom_fit import _options
+from custom_fit import _scalar_metrics
 from custom_fit import _validation
 from custom_fit import accumulation
 from custom_fit import clipping
 from custom_fit import pipeline
+from custom_fit._types import Gradients
+from custom_fit._types import Logs
+from custom_fit._types import Optimizer
+from custom_fit._types import Scalar
+from custom_fit._types import StepFunction
+from custom_fit._types import Variable
 
 # The models whose train or test function is running, innermost last, with
 # the kind of step ("train" or "test"). A module global, not a context
 # variable: MirroredStrategy traces each replica in a thread of its own.
-_DRIVERS = []
+_DRIVERS: list[tuple["TrainStepMixin", str]] = []
+
+_Model = TypeVar("_Model", bound="TrainStepMixin")
 
 
 class TrainStepMixin:
@@ -104,17 +116,17 @@ class TrainStepMixin:
         None, _validation.positive_int_or_none
     )
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         _refuse_parameter_server_strategy()
         names = _options.declared_options(type(self))
         options = {name: kwargs.pop(name) for name in names if name in kwargs}
         super().__init__(*args, **kwargs)
         self._configure_options(options)
 
-    def _configure_options(self, options):
+    def _configure_options(self, options: dict[str, Any]) -> None:
         """Validates and stores `options`, then creates the state they need."""
         _options.store_options(self, options)
-        self._warned_about = set()
+        self._warned_about: set[str] = set()
         if "_step_metrics" not in self.__dict__:
             # Kept out of Keras' attribute tracking, which refuses new state
             # on a built model; `metrics` below lists them instead.
@@ -136,7 +148,7 @@ class TrainStepMixin:
 
     # Hooks, in the order `train_step` calls them.
 
-    def forward_pass(self, x, training):
+    def forward_pass(self, x: Any, training: bool) -> Any:
         """Runs the model on `x`. First hook of `train_step` and `test_step`.
 
         Args:
@@ -148,7 +160,13 @@ class TrainStepMixin:
         """
         return _keras_compat.call_model(self, x, training=training)
 
-    def compute_gradients(self, tape, scaled_loss, variables, optimizer=None):
+    def compute_gradients(
+        self,
+        tape: tf.GradientTape,
+        scaled_loss: tf.Tensor,
+        variables: Sequence[Variable],
+        optimizer: Optimizer | None = None,
+    ) -> Gradients:
         """Returns the true gradients. Runs after the loss, inside the step.
 
         The result is no longer loss-scaled and, under `tf.distribute`, is
@@ -169,7 +187,9 @@ class TrainStepMixin:
             tape, scaled_loss, variables, optimizer or self.optimizer
         )
 
-    def transform_gradients(self, gradients, variables):
+    def transform_gradients(
+        self, gradients: Gradients, variables: Sequence[Variable]
+    ) -> Gradients:
         """Returns modified gradients. Runs after `compute_gradients`.
 
         The gradients received are true: not loss-scaled and already summed
@@ -188,8 +208,12 @@ class TrainStepMixin:
         return gradients
 
     def apply_gradients(
-        self, gradients, variables, finite=None, optimizer=None
-    ):
+        self,
+        gradients: Gradients,
+        variables: Sequence[Variable],
+        finite: tf.Tensor | None = None,
+        optimizer: Optimizer | None = None,
+    ) -> None:
         """Updates the variables. Runs after `transform_gradients`.
 
         The gradients received are true (not loss-scaled, summed across
@@ -209,8 +233,12 @@ class TrainStepMixin:
         )
 
     def inspect_gradients(
-        self, gradients, transformed_gradients, variables, optimizer=None
-    ):
+        self,
+        gradients: Gradients,
+        transformed_gradients: Gradients,
+        variables: Sequence[Variable],
+        optimizer: Optimizer | None = None,
+    ) -> None:
         """Looks at the gradients. Runs after `transform_gradients`.
 
         Called before `apply_gradients`, whatever the order of the mixins,
@@ -229,7 +257,7 @@ class TrainStepMixin:
         """
         del gradients, transformed_gradients, variables, optimizer
 
-    def layer_names_of(self, variables):
+    def layer_names_of(self, variables: Sequence[Variable]) -> list[str]:
         """Returns, for each variable, the name of its entry in `self.layers`.
 
         Args:
@@ -240,7 +268,7 @@ class TrainStepMixin:
             no entry of `self.layers` owns (created by the model itself) gets
             the model's name.
         """
-        owners = {}
+        owners: dict[int, str] = {}
         for layer in self.layers:
             for variable in layer.trainable_variables:
                 owners.setdefault(id(variable), layer.name)
@@ -248,7 +276,13 @@ class TrainStepMixin:
 
     # The gradient pipeline, public for custom steps.
 
-    def minimize(self, loss, tape, variables=None, optimizer=None):
+    def minimize(
+        self,
+        loss: tf.Tensor,
+        tape: tf.GradientTape,
+        variables: Sequence[Variable] | None = None,
+        optimizer: Optimizer | None = None,
+    ) -> tf.Tensor | None:
         """Runs the gradient pipeline of this model for one loss.
 
         This is the building block of every custom_fit step: from a loss
@@ -298,7 +332,13 @@ class TrainStepMixin:
         """
         return self._minimize(loss, tape, variables, optimizer)[0]
 
-    def _minimize(self, loss, tape, variables, optimizer):
+    def _minimize(
+        self,
+        loss: tf.Tensor,
+        tape: tf.GradientTape,
+        variables: Sequence[Variable] | None,
+        optimizer: Optimizer | None,
+    ) -> tuple[tf.Tensor | None, tf.Tensor | None]:
         """`minimize`, also returning whether this batch's loss counts.
 
         Returns a tuple `(applied, counted)`: `applied` as `minimize`
@@ -334,12 +374,12 @@ class TrainStepMixin:
             if counted is None:
                 counted = finite
 
-        def inspect():
+        def inspect() -> None:
             self.inspect_gradients(
                 gradients, transformed, variables, optimizer=optimizer
             )
 
-        def apply(transformed, finite):
+        def apply(transformed: Gradients, finite: tf.Tensor | None) -> None:
             self.apply_gradients(
                 transformed, variables, finite=finite, optimizer=optimizer
             )
@@ -365,7 +405,7 @@ class TrainStepMixin:
             self._record_skipped_step(skipped, is_update)
         return applied, counted
 
-    def _checked_optimizer(self, optimizer):
+    def _checked_optimizer(self, optimizer: Optimizer | None) -> Optimizer:
         """Returns the optimizer of an update, refusing unusable ones."""
         optimizer = optimizer or getattr(self, "optimizer", None)
         if optimizer is None:
@@ -388,7 +428,9 @@ class TrainStepMixin:
             )
         return optimizer
 
-    def _accumulator(self, variables):
+    def _accumulator(
+        self, variables: Sequence[Variable]
+    ) -> accumulation.GradientAccumulator:
         """Returns the gradient accumulator of `variables`, made once."""
         key = tuple(id(variable) for variable in variables)
         if key not in self._accumulators:
@@ -399,7 +441,7 @@ class TrainStepMixin:
 
     # The step.
 
-    def train_step(self, data):
+    def train_step(self, data: Any) -> Logs:
         """Runs one training step: forward pass, loss, `minimize`, metrics.
 
         Args:
@@ -419,7 +461,9 @@ class TrainStepMixin:
         self._restore_layer_state_if_skipped(layer_state, counted)
         return self._end_train_step(x, y, y_pred, sample_weight, loss, counted)
 
-    def _layer_state_before_step(self):
+    def _layer_state_before_step(
+        self,
+    ) -> tuple[list[Variable], list[tf.Tensor]] | None:
         """With `skip_nonfinite`, copies the layers' non-trainable state.
 
         The forward pass updates it in training mode (BatchNormalization's
@@ -435,7 +479,11 @@ class TrainStepMixin:
         copies = [tf.identity(tf.convert_to_tensor(v)) for v in variables]
         return variables, copies
 
-    def _restore_layer_state_if_skipped(self, layer_state, counted):
+    def _restore_layer_state_if_skipped(
+        self,
+        layer_state: tuple[list[Variable], list[tf.Tensor]] | None,
+        counted: tf.Tensor | None,
+    ) -> None:
         """Writes back the copied state when this batch was not `counted`.
 
         A batch is not counted when its own gradients are not finite, so it
@@ -450,7 +498,9 @@ class TrainStepMixin:
             args=(copies,),
         )
 
-    def _minimize_if_trainable(self, loss, tape):
+    def _minimize_if_trainable(
+        self, loss: tf.Tensor, tape: tf.GradientTape
+    ) -> tf.Tensor | None:
         """Runs `_minimize`; warns as Keras does without trainable weights.
 
         Returns `counted` (see `_minimize`).
@@ -462,7 +512,15 @@ class TrainStepMixin:
             return None
         return self._minimize(loss, tape, None, None)[1]
 
-    def _end_train_step(self, x, y, y_pred, sample_weight, loss, counted):
+    def _end_train_step(
+        self,
+        x: Any,
+        y: Any,
+        y_pred: Any,
+        sample_weight: Any,
+        loss: tf.Tensor,
+        counted: tf.Tensor | None,
+    ) -> Logs:
         """Tracks the loss, updates the compiled metrics, returns the logs.
 
         A batch whose loss is not `counted` (a skipped step) stays out of
@@ -472,7 +530,9 @@ class TrainStepMixin:
         logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         return _keras_compat.reducible_logs(self, logs)
 
-    def _record_skipped_step(self, skipped, is_update=None):
+    def _record_skipped_step(
+        self, skipped: tf.Tensor, is_update: tf.Tensor | None = None
+    ) -> None:
         """Counts a skipped step in the metric and the consecutive counter.
 
         With gradient accumulation, only update steps (`is_update`) change
@@ -492,7 +552,7 @@ class TrainStepMixin:
             new_count = tf.where(count > limit, count, new_count)
         count.assign(new_count)
 
-    def test_step(self, data):
+    def test_step(self, data: Any) -> Logs:
         """Runs one evaluation step: forward pass, loss, metrics.
 
         Args:
@@ -511,7 +571,9 @@ class TrainStepMixin:
         logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         return _keras_compat.reducible_logs(self, logs)
 
-    def _track_loss(self, loss, x, counted=None):
+    def _track_loss(
+        self, loss: tf.Tensor, x: Any, counted: tf.Tensor | None = None
+    ) -> None:
         """Updates Keras' `loss` metric and notes that this step logs it."""
         _keras_compat.track_loss(self, loss, x, counted=counted)
         driver, kind = _DRIVERS[-1] if _DRIVERS else (None, None)
@@ -520,7 +582,13 @@ class TrainStepMixin:
 
     # Metrics reported from inside the step.
 
-    def report_metric(self, name, value, sample_weight=None, reduction="mean"):
+    def report_metric(
+        self,
+        name: str,
+        value: Scalar,
+        sample_weight: Scalar | None = None,
+        reduction: str = "mean",
+    ) -> None:
         """Reports a named scalar from inside a step as a Keras metric.
 
         Call it from any hook of `train_step` or `test_step` (or from
@@ -580,14 +648,14 @@ class TrainStepMixin:
         driver, kind = _DRIVERS[-1] if _DRIVERS else (None, None)
         self._step_metric_kinds.setdefault(key, set()).add((id(driver), kind))
 
-    def _log_key(self, name):
+    def _log_key(self, name: str) -> str:
         """Returns `name`, prefixed when another model drives the step."""
         if _DRIVERS and _DRIVERS[-1][0] is not self:
             return f"{self.name}_{name}"
         return name
 
     @property
-    def metrics(self):
+    def metrics(self) -> list[keras.metrics.Metric]:
         """The model's metrics, then those of `report_metric`.
 
         Those of `report_metric` include the ones reported by custom_fit
@@ -599,7 +667,7 @@ class TrainStepMixin:
             for metric in model._step_metrics.values()
         ]
 
-    def get_metrics_result(self):
+    def get_metrics_result(self) -> Logs:
         """Returns the metric results, as Keras' `get_metrics_result`.
 
         Inside a train (test) step, metrics of `report_metric` that only the
@@ -626,7 +694,7 @@ class TrainStepMixin:
                 unreported.add("loss")
         return {k: v for k, v in logs.items() if k not in unreported}
 
-    def _inner_step_models(self):
+    def _inner_step_models(self) -> list["TrainStepMixin"]:
         """Returns the custom_fit models nested in this one, depth first."""
         found = []
         pending = list(getattr(self, "layers", []))
@@ -637,7 +705,7 @@ class TrainStepMixin:
             pending.extend(getattr(layer, "layers", []))
         return found
 
-    def _step_metric(self, name, reduction):
+    def _step_metric(self, name: str, reduction: str) -> keras.metrics.Metric:
         """Returns the metric behind `name`, creating it on first use."""
         if reduction not in _REDUCTIONS:
             raise ValueError(
@@ -652,9 +720,7 @@ class TrainStepMixin:
                     f"The model already has a metric named {name!r}. "
                     f"Received: name={name!r}. Report it under another name."
                 )
-            metric_class = (
-                keras.metrics.Mean if reduction == "mean" else keras.metrics.Sum
-            )
+            metric_class = _METRIC_CLASSES[reduction]
             # Lift the variables out of the traced step; they are created once.
             with tf.init_scope():
                 metric = metric_class(name=name)
@@ -667,7 +733,9 @@ class TrainStepMixin:
             )
         return metric
 
-    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+    def _maybe_symbolic_build(
+        self, iterator: Any = None, data_batch: Any = None
+    ) -> None:
         """Keras' pre-`fit` build, with a MultiWorkerMirroredStrategy fix.
 
         See `_keras_compat.symbolic_build_batch`.
@@ -679,7 +747,7 @@ class TrainStepMixin:
             iterator=iterator, data_batch=data_batch
         )
 
-    def make_train_function(self, force=False):
+    def make_train_function(self, force: bool = False) -> StepFunction:
         """Builds the train function; adds the skipped-step limit check.
 
         Args:
@@ -695,7 +763,7 @@ class TrainStepMixin:
         self.train_function = self._driven(self.train_function, "train")
         return self.train_function
 
-    def make_test_function(self, force=False):
+    def make_test_function(self, force: bool = False) -> StepFunction:
         """Builds the test function, marking this model as the driver.
 
         Args:
@@ -710,14 +778,14 @@ class TrainStepMixin:
         self.test_function = self._driven(self.test_function, "test")
         return self.test_function
 
-    def _driven(self, step_function, kind):
+    def _driven(self, step_function: StepFunction, kind: str) -> StepFunction:
         """Wraps `step_function` to mark this model as the running driver.
 
         Networks inside it that report metrics while it runs (and traces)
         prefix them with their names; see `report_metric`.
         """
 
-        def driven_step_function(iterator):
+        def driven_step_function(iterator: Any) -> Logs:
             _DRIVERS.append((self, kind))
             try:
                 return step_function(iterator)
@@ -726,7 +794,9 @@ class TrainStepMixin:
 
         return driven_step_function
 
-    def _with_skipped_step_limit(self, train_function):
+    def _with_skipped_step_limit(
+        self, train_function: StepFunction
+    ) -> StepFunction:
         """Wraps `train_function` to raise once too many steps were skipped.
 
         The counters of this model and of the custom_fit networks nested in
@@ -739,7 +809,7 @@ class TrainStepMixin:
         if not models:
             return train_function
 
-        def checked_train_function(iterator):
+        def checked_train_function(iterator: Any) -> Logs:
             logs = train_function(iterator)
             for model in models:
                 model._check_skipped_step_limit(model is not self)
@@ -747,7 +817,7 @@ class TrainStepMixin:
 
         return checked_train_function
 
-    def _skip_limited_models(self):
+    def _skip_limited_models(self) -> list["TrainStepMixin"]:
         """Returns this and nested models whose skipped steps are limited."""
         return [
             model
@@ -755,7 +825,7 @@ class TrainStepMixin:
             if model.skip_nonfinite and model.max_consecutive_skipped_steps
         ]
 
-    def _check_skipped_step_limit(self, nested):
+    def _check_skipped_step_limit(self, nested: bool) -> None:
         """Raises `RuntimeError` when the consecutive-skip limit is passed."""
         limit = self.max_consecutive_skipped_steps
         count = int(self._consecutive_skipped_steps.numpy())
@@ -773,7 +843,7 @@ class TrainStepMixin:
             "longer runs of skipped steps."
         )
 
-    def _warn_about_optimizer_clipping(self, optimizer):
+    def _warn_about_optimizer_clipping(self, optimizer: Optimizer) -> None:
         """Warns once if the optimizer's own clipping is wrong or redundant."""
         found = pipeline.optimizer_clipping(optimizer)
         twice = self._clips_gradients()
@@ -794,11 +864,11 @@ class TrainStepMixin:
             "to custom_fit.GradientClippingMixin instead.",
         )
 
-    def _clips_gradients(self):
+    def _clips_gradients(self) -> bool:
         """Returns whether a mixin clips gradients (see the clipping mixin)."""
         return False
 
-    def _warn_once(self, key, message):
+    def _warn_once(self, key: str, message: str) -> None:
         """Emits `message` as a `UserWarning` once per model and `key`."""
         if key in self._warned_about:
             return
@@ -807,7 +877,7 @@ class TrainStepMixin:
 
     # Serialization.
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         """Returns the model config plus every mixin keyword.
 
         Returns:
@@ -824,7 +894,11 @@ class TrainStepMixin:
         return config
 
     @classmethod
-    def from_config(cls, config, custom_objects=None):
+    def from_config(
+        cls: type[_Model],
+        config: dict[str, Any],
+        custom_objects: dict[str, Any] | None = None,
+    ) -> _Model:
         """Rebuilds a model from `get_config()`, mixin keywords included.
 
         Keras' `Sequential.from_config` drops unknown keys, so the mixin
@@ -846,10 +920,13 @@ class TrainStepMixin:
 
 
 _REDUCTIONS = ("mean", "sum")
-_METRIC_CLASSES = {"mean": keras.metrics.Mean, "sum": keras.metrics.Sum}
+_METRIC_CLASSES = {
+    "mean": _scalar_metrics.ScalarMean,
+    "sum": _scalar_metrics.ScalarSum,
+}
 
 
-def _refuse_parameter_server_strategy():
+def _refuse_parameter_server_strategy() -> None:
     """Raises early under ParameterServerStrategy, which fit cannot use."""
     strategy = tf.distribute.get_strategy()
     if isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
@@ -864,6 +941,6 @@ def _refuse_parameter_server_strategy():
         )
 
 
-def _format(arguments):
+def _format(arguments: dict[str, Any]) -> str:
     """Formats a dict as `name=value, ...`."""
     return ", ".join(f"{name}={value}" for name, value in arguments.items())

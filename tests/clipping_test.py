@@ -13,6 +13,28 @@ def dense(gradient):
     return tf.convert_to_tensor(gradient).numpy()
 
 
+def max_difference(arrays_a, arrays_b):
+    """Returns the largest absolute entry-wise difference of two lists."""
+    return max(
+        np.abs(dense(a) - dense(b)).max()
+        for a, b in zip(arrays_a, arrays_b)
+        if a is not None
+    )
+
+
+def order_inputs():
+    """Returns `(grads, weights, groups)` on which the order of the kinds of
+    clipping changes the result: units and tensors of very unequal norms."""
+    rng = np.random.RandomState(7)
+    grads = [
+        rng.randn(5, 4) * np.array([[20.0, 0.1, 5.0, 0.5]]),
+        rng.randn(4) * 10.0,
+        rng.randn(4, 2) * 0.3,
+    ]
+    weights = [rng.randn(*g.shape) for g in grads]
+    return grads, weights, ["x", "x", "y"]
+
+
 class ClippingTest(testing.TestCase):
     def test_clip_by_norm_hand_computed(self):
         """[100, 100] clipped to norm 1 is [sqrt(2)/2] * 2, as in Keras."""
@@ -207,3 +229,103 @@ class ClippingTest(testing.TestCase):
         """A wrong-length `variables` list is refused."""
         with self.assertRaisesRegex(ValueError, "len\\(variables\\)=0"):
             clipping.adaptive_clip([tf.ones(1)], [], 0.1)
+
+    @parameterized.named_parameters(
+        ("adaptive_clipvalue", ("adaptive_clipping", "clipvalue")),
+        ("adaptive_clipnorm", ("adaptive_clipping", "clipnorm")),
+        ("clipvalue_clipnorm", ("clipvalue", "clipnorm")),
+        ("clipvalue_global", ("clipvalue", "global_clipnorm")),
+        ("clipnorm_group", ("clipnorm", "group_clipnorm")),
+        ("group_global", ("group_clipnorm", "global_clipnorm")),
+        ("all", testing.DOCUMENTED_ORDER),
+    )
+    def test_clip_follows_documented_order_when_combined(self, names):
+        """Combined options apply adaptive, value, norm, group, then global."""
+        values = dict(
+            adaptive_clipping=0.5,
+            clipvalue=1.0,
+            clipnorm=3.0,
+            group_clipnorm=2.5,
+            global_clipnorm=2.0,
+        )
+        options = {name: values[name] for name in names}
+        grads, weights, groups = order_inputs()
+        result = clipping.clip(
+            [tf.constant(g, tf.float32) for g in grads],
+            [tf.constant(w, tf.float32) for w in weights],
+            groups,
+            **options,
+        )
+        expected = testing.numpy_clip(grads, weights, groups, **options)
+        self.assertAllClose(result, expected, rtol=1e-5, atol=1e-6)
+        # The order matters on these inputs: the reverse order differs.
+        reverse = testing.numpy_clip(
+            grads,
+            weights,
+            groups,
+            order=testing.DOCUMENTED_ORDER[::-1],
+            **options,
+        )
+        self.assertGreater(max_difference(expected, reverse), 0.1)
+
+    def test_adaptive_clip_none_passes_through(self):
+        """A None gradient stays None; the others are clipped as in NumPy."""
+        rng = np.random.RandomState(8)
+        grad = rng.randn(3, 2) * 10.0
+        weights = [rng.randn(2), rng.randn(3, 2)]
+        clipped = clipping.adaptive_clip(
+            [None, tf.constant(grad, tf.float32)],
+            [tf.constant(w, tf.float32) for w in weights],
+            clipping=0.1,
+        )
+        self.assertIsNone(clipped[0])
+        expected = testing.numpy_adaptive_clip(grad, weights[1], 0.1, 1e-3)
+        self.assertAllClose(clipped[1], expected, rtol=1e-5, atol=1e-7)
+        self.assertGreater(np.abs(expected - grad).max(), 1.0)  # active
+
+    def test_clip_by_group_norm_none_left_out_of_its_group(self):
+        """A None gradient stays None and does not count in its group norm."""
+        rng = np.random.RandomState(9)
+        arrays = [rng.randn(3, 2) * 5.0, rng.randn(2) * 5.0]
+        clipped = clipping.clip_by_group_norm(
+            [tf.constant(arrays[0], tf.float32), None, tf.constant(arrays[1])],
+            ["a", "a", "a"],
+            1.0,
+        )
+        self.assertIsNone(clipped[1])
+        norm = testing.l2_norm(arrays)
+        self.assertGreater(norm, 1.0)  # the clipping is active
+        self.assertAllClose(
+            [clipped[0], clipped[2]], [a / norm for a in arrays], rtol=1e-5
+        )
+
+    def test_clip_none_passes_through_with_all_options(self):
+        """With every option, None stays None and the rest match NumPy."""
+        grads, weights, groups = order_inputs()
+        options = dict(
+            adaptive_clipping=0.5,
+            clipvalue=1.0,
+            clipnorm=3.0,
+            group_clipnorm=2.5,
+            global_clipnorm=2.0,
+        )
+        with_none = [grads[0], None, grads[1], grads[2]]
+        result = clipping.clip(
+            [
+                None if g is None else tf.constant(g, tf.float32)
+                for g in with_none
+            ],
+            [tf.constant(w, tf.float32) for w in [weights[0]] + weights],
+            ["x", "x", "x", "y"],
+            **options,
+        )
+        self.assertIsNone(result[1])
+        expected = testing.numpy_clip(
+            with_none, [weights[0]] + weights, ["x", "x", "x", "y"], **options
+        )
+        self.assertAllClose(
+            [result[i] for i in (0, 2, 3)],
+            [expected[i] for i in (0, 2, 3)],
+            rtol=1e-5,
+            atol=1e-6,
+        )

@@ -1,5 +1,8 @@
 """GradientClippingMixin against Keras' optimizer clipping and NumPy."""
 
+import os
+import re
+import tempfile
 import warnings
 
 import keras
@@ -13,6 +16,115 @@ from tests import testing
 
 class Net(custom_fit.GradientClippingMixin, keras.Model):
     pass
+
+
+@keras.saving.register_keras_serializable(package="gradient_clipping_tests")
+class SavableNet(custom_fit.GradientClippingMixin, keras.Model):
+    pass
+
+
+# One active value for each clipping option, on the test models below.
+OPTION_VALUES = dict(
+    clipvalue=0.01,
+    clipnorm=0.05,
+    global_clipnorm=0.05,
+    layer_clipnorm=0.05,
+    adaptive_clipping=0.02,
+)
+
+
+def numpy_clipped(grads, weights, variables, **options):
+    """Returns the NumPy oracle of the mixin's clipping of `grads`.
+
+    The groups of `layer_clipnorm` are the layers, read from the variable
+    paths ("layer/variable"); None gradients pass through.
+    """
+    options = dict(options)
+    if "layer_clipnorm" in options:
+        options["group_clipnorm"] = options.pop("layer_clipnorm")
+    groups = [variable.path.split("/")[0] for variable in variables]
+    return testing.numpy_clip(grads, weights, groups, **options)
+
+
+def sgd_oracle(weights, grads, learning_rate):
+    """SGD on the weights; a weight with a None gradient is unchanged."""
+    return [
+        w if g is None else w - learning_rate * g
+        for w, g in zip(weights, grads)
+    ]
+
+
+def max_change(grads_a, grads_b):
+    """Largest entry-wise difference of two gradient lists (None skipped)."""
+    return max(
+        np.abs(a - b).max() for a, b in zip(grads_a, grads_b) if a is not None
+    )
+
+
+def two_head_model(**options):
+    """A functional Net with outputs `head_a` and `head_b` on one trunk."""
+    inputs = keras.Input((4,), name="features")
+    hidden = keras.layers.Dense(
+        8,
+        activation="relu",
+        kernel_initializer=keras.initializers.GlorotUniform(seed=1),
+        bias_initializer=keras.initializers.RandomNormal(0.0, 0.1, seed=1),
+        name="hidden",
+    )(inputs)
+    head_a = keras.layers.Dense(
+        3,
+        kernel_initializer=keras.initializers.GlorotUniform(seed=2),
+        name="head_a",
+    )(hidden)
+    head_b = keras.layers.Dense(
+        2,
+        kernel_initializer=keras.initializers.GlorotUniform(seed=3),
+        name="head_b",
+    )(hidden)
+    return Net(inputs, {"head_a": head_a, "head_b": head_b}, **options)
+
+
+def embedding_model(**options):
+    """A Net of Embedding (vocabulary 10), mean pooling and Dense logits."""
+    inputs = keras.Input((5,), dtype="int32")
+    embedded = keras.layers.Embedding(
+        10,
+        4,
+        name="embedding",
+        embeddings_initializer=keras.initializers.RandomNormal(seed=1),
+    )(inputs)
+    pooled = keras.layers.GlobalAveragePooling1D()(embedded)
+    outputs = keras.layers.Dense(
+        3,
+        name="output",
+        kernel_initializer=keras.initializers.GlorotUniform(seed=2),
+    )(pooled)
+    return Net(inputs, outputs, **options)
+
+
+def embedding_data(samples=32):
+    """Returns `(ids, labels)`; ids in [0, 4), so ids repeat in a batch."""
+    rng = np.random.RandomState(0)
+    x = rng.randint(0, 4, size=(samples, 5)).astype("int32")
+    y = rng.randint(0, 3, size=samples)
+    return x, y
+
+
+def keyword_mlp(model_class, **options):
+    """The MLP of `testing.mlp`, built as `model_class(inputs=, outputs=)`."""
+    inputs = keras.Input((4,), name="features")
+    hidden = keras.layers.Dense(
+        8,
+        activation="relu",
+        kernel_initializer=keras.initializers.GlorotUniform(seed=1),
+        name="hidden",
+    )(inputs)
+    outputs = keras.layers.Dense(
+        3,
+        kernel_initializer=keras.initializers.GlorotUniform(seed=2),
+        name="output",
+    )(hidden)
+    return model_class(inputs=inputs, outputs=outputs, **options)
 
 
 def one_step_sgd(model, x, y, learning_rate=0.5):
@@ -87,6 +199,7 @@ class ClippingEqualsNumpyTest(testing.TestCase):
             norm = np.sqrt(
                 sum(np.sum(g.astype(np.float64) ** 2) for g in layer_grads)
             )
+            self.assertGreater(norm, 0.05)  # the clipping is active
             clipped += [g * 0.05 / max(norm, 0.05) for g in layer_grads]
         one_step_sgd(model, x, y)
         self.assertAllClose(
@@ -188,6 +301,141 @@ class ClippingEqualsNumpyTest(testing.TestCase):
             atol=1e-7,
         )
 
+    @parameterized.named_parameters(*testing.EXECUTION_MODES)
+    def test_combined_options_equal_numpy_in_documented_order(self, mode):
+        """All options at once clip like the NumPy chain in documented order."""
+        options = dict(
+            adaptive_clipping=0.05,
+            clipvalue=0.02,
+            clipnorm=0.05,
+            layer_clipnorm=0.06,
+            global_clipnorm=0.07,
+        )
+        x, y = testing.classification_data()
+        model = testing.mlp(Net, **options)
+        before = model.get_weights()
+        grads = testing.tape_gradients(
+            model, x, y, testing.sparse_crossentropy()
+        )
+        variables = model.trainable_variables
+        expected = numpy_clipped(grads, before, variables, **options)
+        # The order matters here: the reverse order gives other gradients.
+        reverse = numpy_clipped(
+            grads,
+            before,
+            variables,
+            order=testing.DOCUMENTED_ORDER[::-1],
+            **options,
+        )
+        self.assertGreater(max_change(expected, reverse), 1e-3)
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.5),
+            loss=testing.sparse_crossentropy(),
+            **mode,
+        )
+        model.fit(x, y, batch_size=len(x), verbose=0)
+        self.assertAllClose(
+            model.get_weights(),
+            sgd_oracle(before, expected, 0.5),
+            rtol=1e-5,
+            atol=1e-7,
+        )
+
+    @parameterized.named_parameters(
+        (f"{option}_{mode_name}", option, mode)
+        for option in OPTION_VALUES
+        for mode_name, mode in testing.EXECUTION_MODES
+    )
+    def test_none_gradients_of_unlossed_head_pass_through(self, option, mode):
+        """A head without a loss keeps its weights; the rest clip as NumPy."""
+        options = {option: OPTION_VALUES[option]}
+        x, y = testing.classification_data()
+        loss_fn = testing.sparse_crossentropy()
+        model = two_head_model(**options)
+        before = model.get_weights()
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True)["head_a"])
+        grads = [
+            None if g is None else tf.convert_to_tensor(g).numpy()
+            for g in tape.gradient(loss, model.trainable_variables)
+        ]
+        self.assertEqual([g is None for g in grads], [False] * 4 + [True] * 2)
+        expected = numpy_clipped(
+            grads, before, model.trainable_variables, **options
+        )
+        self.assertGreater(max_change(expected, grads), 1e-4)  # active
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.5),
+            loss={"head_a": loss_fn},
+            **mode,
+        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "Gradients do not exist ..."
+            model.fit(x, {"head_a": y}, batch_size=len(x), verbose=0)
+        after = model.get_weights()
+        self.assertAllClose(
+            after, sgd_oracle(before, expected, 0.5), rtol=1e-5, atol=1e-7
+        )
+        self.assertAllClose(after[4:], before[4:], atol=0, rtol=0)
+
+    @parameterized.named_parameters(
+        (f"{option}_{mode_name}", option, mode)
+        for option in OPTION_VALUES
+        for mode_name, mode in testing.EXECUTION_MODES
+    )
+    def test_embedding_indexed_slices_clip_like_dense_gradient(
+        self, option, mode
+    ):
+        """Each option clips an Embedding's sparse gradient (repeated ids)
+        exactly as NumPy clips the dense tape gradient."""
+        options = {option: OPTION_VALUES[option]}
+        x, y = embedding_data()
+        loss_fn = testing.sparse_crossentropy()
+        model = embedding_model(**options)
+        before = model.get_weights()
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        raw = tape.gradient(loss, model.trainable_variables)
+        self.assertIsInstance(raw[0], tf.IndexedSlices)
+        grads = [tf.convert_to_tensor(g).numpy() for g in raw]
+        expected = numpy_clipped(
+            grads, before, model.trainable_variables, **options
+        )
+        self.assertGreater(max_change(expected[:1], grads[:1]), 1e-4)
+        model.compile(optimizer=keras.optimizers.SGD(0.5), loss=loss_fn, **mode)
+        model.fit(x, y, batch_size=len(x), verbose=0)
+        self.assertAllClose(
+            model.get_weights(),
+            sgd_oracle(before, expected, 0.5),
+            rtol=1e-5,
+            atol=1e-7,
+        )
+
+    def test_embedding_clipvalue_mirrored_equals_single_device(self):
+        """Under MirroredStrategy, clipvalue on an Embedding's sparse
+        gradient acts on the replica sum: the result equals one device."""
+        x, y = embedding_data()
+        trained = []
+        for strategy, options in (
+            (tf.distribute.get_strategy(), {}),
+            (tf.distribute.get_strategy(), dict(clipvalue=0.01)),
+            (testing.mirrored_strategy(), dict(clipvalue=0.01)),
+        ):
+            with strategy.scope():
+                model = embedding_model(**options)
+                model.compile(
+                    optimizer=keras.optimizers.SGD(0.5),
+                    loss=testing.sparse_crossentropy(),
+                )
+            model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+            trained.append(model)
+        unclipped, single, mirrored = trained
+        self.assertWeightsClose(mirrored, single, atol=2e-6)
+        # The clipping was active: the unclipped run ends elsewhere.
+        self.assertGreater(
+            max_change(unclipped.get_weights(), single.get_weights()), 1e-3
+        )
+
 
 NUMERIC_OPTIONS = (
     "clipvalue",
@@ -237,6 +485,51 @@ class ClippingArgumentsTest(testing.TestCase):
         by_position = Net(inputs, outputs, clipnorm=1.0)
         by_keyword = Net(inputs=inputs, outputs=outputs, clipnorm=1.0)
         self.assertEqual(by_position.clipnorm, by_keyword.clipnorm)
+
+    def test_keyword_functional_construction_round_trips_keras_file(self):
+        """Net(inputs=, outputs=, clipnorm=) trains, saves and loads with its
+        option, and the loaded model trains on like the original."""
+        x, y = testing.classification_data()
+        model = keyword_mlp(SavableNet, clipnorm=0.05)
+        self.assertEqual(model.clipnorm, 0.05)
+        one_step_sgd(model, x, y)
+        path = os.path.join(tempfile.mkdtemp(), "model.keras")
+        model.save(path)
+        loaded = keras.saving.load_model(path)
+        self.assertIs(type(loaded), SavableNet)
+        self.assertEqual(loaded.clipnorm, 0.05)
+        self.assertWeightsClose(loaded, model, atol=0)
+        # An unclipped copy of the saved weights, to show clipping matters.
+        unclipped = keyword_mlp(keras.Model)
+        unclipped.set_weights(model.get_weights())
+        for trained in (model, loaded, unclipped):
+            one_step_sgd(trained, x, y)
+        self.assertWeightsClose(loaded, model, atol=1e-6)
+        self.assertGreater(
+            max_change(unclipped.get_weights(), model.get_weights()), 1e-3
+        )
+
+    @parameterized.product(
+        argument=["clip_layers", "no_clip_layers"], value=[[], ()]
+    )
+    def test_empty_layer_list_raises(self, argument, value):
+        """An empty clip_layers or no_clip_layers is refused by name."""
+        with self.assertRaisesRegex(
+            ValueError, re.escape(f"Received: {argument}={value!r}")
+        ):
+            testing.mlp(Net, clipnorm=1.0, **{argument: value})
+
+    @parameterized.named_parameters(
+        ("true", np.True_, True), ("false", np.False_, False)
+    )
+    def test_numpy_bool_skip_nonfinite_stored_as_python_bool(
+        self, value, expected
+    ):
+        """skip_nonfinite accepts a NumPy bool and stores a Python bool."""
+        model = testing.mlp(Net, clipnorm=1.0, skip_nonfinite=value)
+        self.assertIs(model.skip_nonfinite, expected)
+        config = model.get_config()
+        self.assertIs(config["skip_nonfinite"], expected)
 
     def test_clip_layers_and_no_clip_layers_exclusive(self):
         """Both selections at once are refused, listing both values."""

@@ -151,3 +151,87 @@ def numpy_adaptive_clip(grad, weight, clipping_ratio, eps):
         g_norm > max_norm, max_norm / np.maximum(g_norm, 1e-6), 1.0
     )
     return grad * factor
+
+
+# The documented order of `clipping.clip`, finest first.
+DOCUMENTED_ORDER = (
+    "adaptive_clipping",
+    "clipvalue",
+    "clipnorm",
+    "group_clipnorm",
+    "global_clipnorm",
+)
+
+
+def l2_norm(arrays):
+    """Returns the L2 norm of the entries of `arrays` taken together."""
+    return np.sqrt(sum(np.sum(np.square(a)) for a in arrays))
+
+
+def numpy_clip_by_value(grads, clipvalue):
+    """Clips each entry to [-clipvalue, clipvalue]; None passes through."""
+    return [
+        None if g is None else np.clip(g, -clipvalue, clipvalue) for g in grads
+    ]
+
+
+def numpy_clip_by_norm(grads, clipnorm):
+    """Rescales each array to an L2 norm of at most `clipnorm`."""
+    return [
+        None if g is None else g * clipnorm / max(l2_norm([g]), clipnorm)
+        for g in grads
+    ]
+
+
+def numpy_clip_by_group_norm(grads, groups, clipnorm):
+    """Rescales each group jointly; None and ungrouped arrays are kept."""
+    clipped = list(grads)
+    for key in {k for k in groups if k is not None}:
+        members = [
+            i
+            for i, (g, k) in enumerate(zip(grads, groups))
+            if k == key and g is not None
+        ]
+        norm = l2_norm([grads[i] for i in members])
+        for i in members:
+            clipped[i] = grads[i] * clipnorm / max(norm, clipnorm)
+    return clipped
+
+
+def numpy_clip_by_global_norm(grads, clipnorm):
+    """Rescales all arrays together to a global norm of at most `clipnorm`."""
+    norm = l2_norm([g for g in grads if g is not None])
+    return [
+        None if g is None else g * clipnorm / max(norm, clipnorm) for g in grads
+    ]
+
+
+def numpy_clip(
+    grads,
+    weights=None,
+    groups=None,
+    order=DOCUMENTED_ORDER,
+    adaptive_clipping_eps=1e-3,
+    **options,
+):
+    """Applies the NumPy definition of each option in `options`, one after
+    another in `order`: the oracle of `clipping.clip`."""
+    grads = [None if g is None else np.asarray(g, np.float64) for g in grads]
+    steps = {
+        "adaptive_clipping": lambda gs, ratio: [
+            None
+            if g is None
+            else numpy_adaptive_clip(g, w, ratio, adaptive_clipping_eps)
+            for g, w in zip(gs, weights)
+        ],
+        "clipvalue": numpy_clip_by_value,
+        "clipnorm": numpy_clip_by_norm,
+        "group_clipnorm": lambda gs, bound: numpy_clip_by_group_norm(
+            gs, groups, bound
+        ),
+        "global_clipnorm": numpy_clip_by_global_norm,
+    }
+    for name in order:
+        if options.get(name) is not None:
+            grads = steps[name](grads, options[name])
+    return grads

@@ -370,6 +370,10 @@ def clip(
     Returns:
         The list of clipped gradients.
 
+    Raises:
+        ValueError: If `adaptive_clipping` is set without `variables`, or
+            `group_clipnorm` without `groups`.
+
     Example:
     ```python
     >>> grads = clip([tf.constant([30.0, -4.0])], clipvalue=3.0,
@@ -378,6 +382,8 @@ def clip(
     [0.7071, -0.7071]
     ```
     """
+    _require("variables", variables, "adaptive_clipping", adaptive_clipping)
+    _require("groups", groups, "group_clipnorm", group_clipnorm)
     gradients = list(gradients)
     if adaptive_clipping is not None:
         gradients = adaptive_clip(
@@ -392,3 +398,13 @@ def clip(
     if global_clipnorm is not None:
         gradients = clip_by_global_norm(gradients, global_clipnorm)
     return gradients
+
+
+def _require(name: str, value: object, option: str, setting: object) -> None:
+    """Raises if `option` is set but the list it needs, `name`, is not."""
+    if setting is not None and value is None:
+        raise ValueError(
+            f"`{option}` needs `{name}`, aligned with the gradients. "
+            f"Received: {option}={setting}, {name}=None. Pass {name}=... "
+            "too."
+        )

@@ -166,16 +166,13 @@ class GradientInspectionMixin(TrainStepMixin):
         )
         owners = self.layer_names_of(variables)
         state = self._inspection_state(owners, variables)
-        if self.inspect_every == 1:
-            # Every layer is a group: the global norm follows from theirs,
-            # which saves a pass over the gradients.
-            layer_norms = inspection.group_norms(
-                gradients, owners, state.layers
-            )
-            global_norm = tf.sqrt(tf.reduce_sum(tf.square(layer_norms)))
-        else:
-            layer_norms = None
-            global_norm = clipping.global_norm(gradients)
+        # Every variable belongs to one layer: one pass over the gradients
+        # gives the layers' norms and the global norm.
+        squares = inspection.group_squared_norms(
+            gradients, owners, state.layers
+        )
+        layer_norms = tf.sqrt(squares)
+        global_norm = tf.sqrt(tf.reduce_sum(squares))
         self.report_metric("grad_norm", global_norm)
         if self._clips_gradients():
             clipped_norm = clipping.global_norm(transformed_gradients)
@@ -188,7 +185,7 @@ class GradientInspectionMixin(TrainStepMixin):
 
         def record() -> None:
             for name, variable in state.figures.items():
-                if name == "norm" and layer_norms is not None:
+                if name == "norm":
                     variable.assign(layer_norms)
                 elif name in inspection.GROUP_STATISTICS:
                     function = inspection.GROUP_STATISTICS[name]

@@ -35,17 +35,24 @@ def _per_group(
     order: Sequence[Hashable],
     combine: Callable[[tf.Tensor], tf.Tensor],
 ) -> tf.Tensor:
-    """Combines per-gradient scalars into one value per group in `order`."""
+    """Combines per-gradient scalars into one value per group in `order`.
+
+    A sum is one `add_n` per group (a group of one costs nothing); other
+    reductions stack the group's values first.
+    """
     members: dict[Hashable, list[tf.Tensor]] = {key: [] for key in order}
     for value, key in zip(values, groups):
         if value is not None and key in members:
             members[key].append(value)
-    return tf.stack(
-        [
-            combine(tf.stack(items)) if items else tf.constant(0.0)
-            for items in members.values()
-        ]
-    )
+
+    def combined(items: list[tf.Tensor]) -> tf.Tensor:
+        if not items:
+            return tf.constant(0.0)
+        if combine is tf.reduce_sum:
+            return tf.add_n(items)
+        return combine(tf.stack(items))
+
+    return tf.stack([combined(items) for items in members.values()])
 
 
 def _dense_size(gradient: tf.Tensor | tf.IndexedSlices) -> tf.Tensor:
@@ -78,10 +85,40 @@ def group_norms(
     array([5., 1.], dtype=float32)
     ```
     """
+    return tf.sqrt(group_squared_norms(gradients, groups, order))
+
+
+def group_squared_norms(
+    gradients: Sequence[Gradient],
+    groups: Sequence[Hashable],
+    order: Sequence[Hashable],
+) -> tf.Tensor:
+    """Returns the sum of squared gradient entries of each group.
+
+    The squares of `group_norms`; their sum is the squared global norm, so
+    one pass over the gradients gives both the per-layer and the global
+    figure.
+
+    Args:
+        gradients: List of tensors, `tf.IndexedSlices` or `None`.
+        groups: List aligned with `gradients`: the group of each gradient.
+        order: List of the groups to report, in order.
+
+    Returns:
+        A float32 vector of `len(order)` sums of squares.
+
+    Example:
+
+    ```python
+    >>> g = [tf.constant([3.0]), tf.constant([4.0]), tf.constant([1.0])]
+    >>> group_squared_norms(g, ["a", "a", "b"], ["a", "b"]).numpy()
+    array([25., 1.], dtype=float32)
+    ```
+    """
     squares = [
         None if g is None else _gradient_ops.squared_sum(g) for g in gradients
     ]
-    return tf.sqrt(_per_group(squares, groups, order, tf.reduce_sum))
+    return _per_group(squares, groups, order, tf.reduce_sum)
 
 
 def group_max_abs(

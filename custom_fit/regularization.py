@@ -216,7 +216,7 @@ def _sum_over(
     elementwise: Callable[[tf.Tensor], tf.Tensor],
 ) -> tf.Tensor:
     """Returns the float32 sum of `elementwise(v)` over all variables."""
-    total = tf.constant(0.0)
-    for v in variables:
-        total += tf.reduce_sum(elementwise(tf.cast(v, tf.float32)))
-    return total
+    sums = [
+        tf.reduce_sum(elementwise(tf.cast(v, tf.float32))) for v in variables
+    ]
+    return tf.add_n(sums) if sums else tf.constant(0.0)

@@ -143,7 +143,7 @@ class RegularizationMixin(TrainStepMixin):
         )
         replicas = pipeline.replica_count()
         batch_size = _keras_compat.batch_size(x, total.dtype)
-        unscaled_total = total * replicas
+        unscaled_total = total * replicas if replicas > 1 else total
         model_losses = [
             tf.reduce_sum(tf.cast(loss, total.dtype)) for loss in self.losses
         ]
@@ -157,7 +157,8 @@ class RegularizationMixin(TrainStepMixin):
         terms = self._penalties(x, y, y_pred, sample_weight, training)
         for name, value in terms.items():
             self.report_metric(name, value, batch_size)
-            total += tf.cast(value, total.dtype) / replicas
+            value = tf.cast(value, total.dtype)
+            total += value / replicas if replicas > 1 else value
         return total
 
     def _penalties(

@@ -738,14 +738,22 @@ class TrainStepMixin:
     ) -> None:
         """Keras' pre-`fit` build, with a MultiWorkerMirroredStrategy fix.
 
-        See `_keras_compat.symbolic_build_batch`.
+        See `_keras_compat.symbolic_build_batch`. The build traces
+        `compute_loss` once, outside any step (in cross-replica context
+        under a strategy); `report_metric` is muted meanwhile, as that
+        trace is not a step.
         """
         if iterator is not None and (_keras_compat.is_multi_worker(self)):
             data_batch = _keras_compat.symbolic_build_batch(self, iterator)
             iterator = None
-        return super()._maybe_symbolic_build(
-            iterator=iterator, data_batch=data_batch
-        )
+        muted = self._muted_reports
+        self.__dict__["_muted_reports"] = True
+        try:
+            return super()._maybe_symbolic_build(
+                iterator=iterator, data_batch=data_batch
+            )
+        finally:
+            self.__dict__["_muted_reports"] = muted
 
     def make_train_function(self, force: bool = False) -> StepFunction:
         """Builds the train function; adds the skipped-step limit check.

@@ -30,9 +30,10 @@ class BenchmarkSmokeTest(testing.TestCase):
             check=False,
         )
         self.assertEqual(result.returncode, 0, result.stderr[-3000:])
+        setting, summary = result.stdout.split("## Summary")
         rows = [
             [cell.strip() for cell in line.split("|")]
-            for line in result.stdout.splitlines()
+            for line in setting.splitlines()
             if line.startswith("| ") and "configuration" not in line
         ]
         self.assertEqual(
@@ -40,3 +41,5 @@ class BenchmarkSmokeTest(testing.TestCase):
         )
         self.assertEqual(rows[0][3], "1.00")  # keras against itself
         self.assertGreater(float(rows[1][6]), 100)  # peak memory in MB
+        # The summary puts the stacked configuration next to its target.
+        self.assertRegex(summary, r"\| stacked \| [0-9.]+ \((ok|over) 1.15\)")

@@ -230,6 +230,18 @@ class ClippingTest(testing.TestCase):
         with self.assertRaisesRegex(ValueError, "len\\(variables\\)=0"):
             clipping.adaptive_clip([tf.ones(1)], [], 0.1)
 
+    def test_clip_without_the_lists_an_option_needs_raises(self):
+        """adaptive_clipping without variables and group_clipnorm without
+        groups are refused, naming the option and the missing list."""
+        with self.assertRaisesRegex(
+            ValueError, "Received: adaptive_clipping=0.1, variables=None"
+        ):
+            clipping.clip([tf.ones(1)], adaptive_clipping=0.1)
+        with self.assertRaisesRegex(
+            ValueError, "Received: group_clipnorm=1.0, groups=None"
+        ):
+            clipping.clip([tf.ones(1)], group_clipnorm=1.0)
+
     @parameterized.named_parameters(
         ("adaptive_clipvalue", ("adaptive_clipping", "clipvalue")),
         ("adaptive_clipnorm", ("adaptive_clipping", "clipnorm")),

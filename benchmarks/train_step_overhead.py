@@ -9,7 +9,9 @@ their first step. Reported per configuration: the median over rounds of the
 process CPU time and of the wall time per step, and the median over rounds of
 the ratio to plain `keras.Model.fit` timed in the same round (paired ratios:
 a slow spell of the machine moves a configuration and its baseline together).
-A summary table puts the CPU ratios next to the targets of issue 6. With
+A summary table puts the CPU ratios next to the targets of issue 6; the
+row `keras_again`, a second plain Keras model, shows the noise of the run.
+With
 `--memory`, each configuration also runs alone in a child process, whose
 peak resident memory is reported (once per `jit_compile` setting).
 
@@ -133,6 +135,9 @@ class HandRegularizedModel(keras.Model):
 # name -> (model class, mixin keywords, optimizer keywords)
 FIT_CONFIGURATIONS = {
     "keras": (keras.Model, {}, {}),
+    # A second, identical plain Keras model: its ratio to `keras` is the
+    # measurement noise of the run (an A/A comparison).
+    "keras_again": (keras.Model, {}, {}),
     "keras_global_clipnorm": (keras.Model, {}, {"global_clipnorm": 1.0}),
     "TrainStepMixin": (StepMixinModel, {}, {}),
     "clipping": (ClippingModel, {"global_clipnorm": 1.0}, {}),
@@ -315,6 +320,8 @@ def runners(workload, jit_compile, steps_per_execution, names):
 def measure(workload, jit_compile, steps_per_execution, names):
     """Returns {name: [(CPU ms, wall ms) per step, one per round]}."""
     steps = _STEPS.value or WORKLOADS[workload][3]
+    # The first execution of a round is not timed: time at least two more.
+    steps = max(steps, 3 * steps_per_execution)
     if jit_compile or steps_per_execution > 1:
         # The eager loop ignores both settings: measure it once.
         names = [name for name in names if name != "eager_loop"]

@@ -265,20 +265,7 @@ class ClippingEqualsNumpyTest(testing.TestCase):
     def test_embedding_indexed_slices_clip_like_dense(self):
         """An Embedding's sparse gradient, with repeated ids, is clipped by
         the norm of its dense equivalent."""
-        inputs = keras.Input((5,), dtype="int32")
-        embedded = keras.layers.Embedding(
-            10,
-            4,
-            name="embedding",
-            embeddings_initializer=keras.initializers.RandomNormal(seed=1),
-        )(inputs)
-        pooled = keras.layers.GlobalAveragePooling1D()(embedded)
-        outputs = keras.layers.Dense(
-            3,
-            name="output",
-            kernel_initializer=keras.initializers.GlorotUniform(seed=2),
-        )(pooled)
-        model = Net(inputs, outputs, clipnorm=0.01, clip_layers=["embedding"])
+        model = embedding_model(clipnorm=0.01, clip_layers=["embedding"])
         rng = np.random.RandomState(0)
         x = rng.randint(0, 4, size=(32, 5)).astype("int32")  # many repeats
         y = rng.randint(0, 3, size=32)

@@ -12,8 +12,9 @@ model, configured on its own:
 - the generator is inspected, unclipped.
 
 Both networks log their global gradient norm under their names
-(`discriminator_grad_norm`, `generator_grad_norm`,
-`discriminator_grad_norm_clipped`), and `model.generator.gradient_norms`
+(`discriminator_grad_norm`, `generator_grad_norm`; the discriminator's
+clipping also `discriminator_grad_norm_clipped` and
+`discriminator_clip_rate`), and `model.generator.gradient_norms`
 holds per-layer norms for callbacks. At the end the program saves a PNG
 grid of generated digits.
 

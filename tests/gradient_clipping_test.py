@@ -110,23 +110,6 @@ def embedding_data(samples=32):
     return x, y
 
 
-def keyword_mlp(model_class, **options):
-    """The MLP of `testing.mlp`, built as `model_class(inputs=, outputs=)`."""
-    inputs = keras.Input((4,), name="features")
-    hidden = keras.layers.Dense(
-        8,
-        activation="relu",
-        kernel_initializer=keras.initializers.GlorotUniform(seed=1),
-        name="hidden",
-    )(inputs)
-    outputs = keras.layers.Dense(
-        3,
-        kernel_initializer=keras.initializers.GlorotUniform(seed=2),
-        name="output",
-    )(hidden)
-    return model_class(inputs=inputs, outputs=outputs, **options)
-
-
 def one_step_sgd(model, x, y, learning_rate=0.5):
     """Compiles with SGD and trains one full-batch step."""
     model.compile(
@@ -477,7 +460,7 @@ class ClippingArgumentsTest(testing.TestCase):
         """Net(inputs=, outputs=, clipnorm=) trains, saves and loads with its
         option, and the loaded model trains on like the original."""
         x, y = testing.classification_data()
-        model = keyword_mlp(SavableNet, clipnorm=0.05)
+        model = testing.mlp(SavableNet, by_keyword=True, clipnorm=0.05)
         self.assertEqual(model.clipnorm, 0.05)
         one_step_sgd(model, x, y)
         path = os.path.join(tempfile.mkdtemp(), "model.keras")
@@ -487,7 +470,7 @@ class ClippingArgumentsTest(testing.TestCase):
         self.assertEqual(loaded.clipnorm, 0.05)
         self.assertWeightsClose(loaded, model, atol=0)
         # An unclipped copy of the saved weights, to show clipping matters.
-        unclipped = keyword_mlp(keras.Model)
+        unclipped = testing.mlp(keras.Model, by_keyword=True)
         unclipped.set_weights(model.get_weights())
         for trained in (model, loaded, unclipped):
             one_step_sgd(trained, x, y)

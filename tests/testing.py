@@ -77,10 +77,19 @@ def classification_data(samples=64, features=4, classes=3, seed=0):
     return x, y
 
 
-def mlp(model_class=keras.Model, features=4, classes=3, seed=1, **kwargs):
+def mlp(
+    model_class=keras.Model,
+    features=4,
+    classes=3,
+    seed=1,
+    by_keyword=False,
+    **kwargs,
+):
     """Returns a tiny functional MLP with fixed initial weights.
 
     Layers: `hidden` (Dense 8, relu) and `output` (Dense `classes`, logits).
+    Built as `model_class(inputs, outputs)`, or with `by_keyword`
+    `model_class(inputs=inputs, outputs=outputs)`.
     """
     inputs = keras.Input((features,), name="features")
     hidden = keras.layers.Dense(
@@ -95,6 +104,8 @@ def mlp(model_class=keras.Model, features=4, classes=3, seed=1, **kwargs):
         kernel_initializer=keras.initializers.GlorotUniform(seed=seed + 1),
         name="output",
     )(hidden)
+    if by_keyword:
+        return model_class(inputs=inputs, outputs=outputs, **kwargs)
     return model_class(inputs, outputs, **kwargs)
 
 

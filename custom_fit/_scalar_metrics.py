@@ -14,16 +14,12 @@ steps are short (see BUILD_NOTES.md, "Measured figures").
 import keras
 import tensorflow as tf
 
+from custom_fit import _state
+
 
 def _metric_variable(name: str) -> tf.Variable:
     """Returns a float32 scalar accumulator, as Keras makes metric state."""
-    return tf.Variable(
-        0.0,
-        trainable=False,
-        synchronization=tf.VariableSynchronization.ON_READ,
-        aggregation=tf.VariableAggregation.SUM,
-        name=name,
-    )
+    return _state.local_variable(0.0, name, tf.VariableAggregation.SUM)
 
 
 class ScalarMean(keras.metrics.Metric):

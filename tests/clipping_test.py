@@ -13,15 +13,6 @@ def dense(gradient):
     return tf.convert_to_tensor(gradient).numpy()
 
 
-def max_difference(arrays_a, arrays_b):
-    """Returns the largest absolute entry-wise difference of two lists."""
-    return max(
-        np.abs(dense(a) - dense(b)).max()
-        for a, b in zip(arrays_a, arrays_b)
-        if a is not None
-    )
-
-
 def order_inputs():
     """Returns `(grads, weights, groups)` on which the order of the kinds of
     clipping changes the result: units and tensors of very unequal norms."""
@@ -278,7 +269,7 @@ class ClippingTest(testing.TestCase):
             order=testing.DOCUMENTED_ORDER[::-1],
             **options,
         )
-        self.assertGreater(max_difference(expected, reverse), 0.1)
+        self.assertGreater(testing.max_difference(expected, reverse), 0.1)
 
     def test_adaptive_clip_none_passes_through(self):
         """A None gradient stays None; the others are clipped as in NumPy."""

@@ -29,10 +29,7 @@ def train(model_class, strategy, optimizer_kwargs, x, y, **model_kwargs):
 
 
 def max_difference(model_a, model_b):
-    return max(
-        np.abs(a - b).max()
-        for a, b in zip(model_a.get_weights(), model_b.get_weights())
-    )
+    return testing.max_difference(model_a.get_weights(), model_b.get_weights())
 
 
 class MirroredClippingTest(testing.TestCase):

@@ -46,21 +46,6 @@ def numpy_clipped(grads, weights, variables, **options):
     return testing.numpy_clip(grads, weights, groups, **options)
 
 
-def sgd_oracle(weights, grads, learning_rate):
-    """SGD on the weights; a weight with a None gradient is unchanged."""
-    return [
-        w if g is None else w - learning_rate * g
-        for w, g in zip(weights, grads)
-    ]
-
-
-def max_change(grads_a, grads_b):
-    """Largest entry-wise difference of two gradient lists (None skipped)."""
-    return max(
-        np.abs(a - b).max() for a, b in zip(grads_a, grads_b) if a is not None
-    )
-
-
 def two_head_model(**options):
     """A functional Net with outputs `head_a` and `head_b` on one trunk."""
     inputs = keras.Input((4,), name="features")
@@ -110,11 +95,12 @@ def embedding_data(samples=32):
     return x, y
 
 
-def one_step_sgd(model, x, y, learning_rate=0.5):
+def one_step_sgd(model, x, y, learning_rate=0.5, **compile_kwargs):
     """Compiles with SGD and trains one full-batch step."""
     model.compile(
         optimizer=keras.optimizers.SGD(learning_rate),
         loss=testing.sparse_crossentropy(),
+        **compile_kwargs,
     )
     model.fit(x, y, batch_size=len(x), epochs=1, verbose=0, shuffle=False)
 
@@ -206,12 +192,7 @@ class ClippingEqualsNumpyTest(testing.TestCase):
             testing.numpy_adaptive_clip(g, w, 0.02, 1e-3)
             for g, w in zip(grads, before)
         ]
-        model.compile(
-            optimizer=keras.optimizers.SGD(0.5),
-            loss=testing.sparse_crossentropy(),
-            **mode,
-        )
-        model.fit(x, y, batch_size=len(x), verbose=0)
+        one_step_sgd(model, x, y, **mode)
         self.assertAllClose(
             model.get_weights(),
             testing.weights_after_one_sgd_step(before, clipped, 0.5),
@@ -297,16 +278,11 @@ class ClippingEqualsNumpyTest(testing.TestCase):
             order=testing.DOCUMENTED_ORDER[::-1],
             **options,
         )
-        self.assertGreater(max_change(expected, reverse), 1e-3)
-        model.compile(
-            optimizer=keras.optimizers.SGD(0.5),
-            loss=testing.sparse_crossentropy(),
-            **mode,
-        )
-        model.fit(x, y, batch_size=len(x), verbose=0)
+        self.assertGreater(testing.max_difference(expected, reverse), 1e-3)
+        one_step_sgd(model, x, y, **mode)
         self.assertAllClose(
             model.get_weights(),
-            sgd_oracle(before, expected, 0.5),
+            testing.weights_after_one_sgd_step(before, expected, 0.5),
             rtol=1e-5,
             atol=1e-7,
         )
@@ -333,7 +309,9 @@ class ClippingEqualsNumpyTest(testing.TestCase):
         expected = numpy_clipped(
             grads, before, model.trainable_variables, **options
         )
-        self.assertGreater(max_change(expected, grads), 1e-4)  # active
+        self.assertGreater(
+            testing.max_difference(expected, grads), 1e-4
+        )  # active
         model.compile(
             optimizer=keras.optimizers.SGD(0.5),
             loss={"head_a": loss_fn},
@@ -344,7 +322,10 @@ class ClippingEqualsNumpyTest(testing.TestCase):
             model.fit(x, {"head_a": y}, batch_size=len(x), verbose=0)
         after = model.get_weights()
         self.assertAllClose(
-            after, sgd_oracle(before, expected, 0.5), rtol=1e-5, atol=1e-7
+            after,
+            testing.weights_after_one_sgd_step(before, expected, 0.5),
+            rtol=1e-5,
+            atol=1e-7,
         )
         self.assertAllClose(after[4:], before[4:], atol=0, rtol=0)
 
@@ -371,12 +352,14 @@ class ClippingEqualsNumpyTest(testing.TestCase):
         expected = numpy_clipped(
             grads, before, model.trainable_variables, **options
         )
-        self.assertGreater(max_change(expected[:1], grads[:1]), 1e-4)
+        self.assertGreater(
+            testing.max_difference(expected[:1], grads[:1]), 1e-4
+        )
         model.compile(optimizer=keras.optimizers.SGD(0.5), loss=loss_fn, **mode)
         model.fit(x, y, batch_size=len(x), verbose=0)
         self.assertAllClose(
             model.get_weights(),
-            sgd_oracle(before, expected, 0.5),
+            testing.weights_after_one_sgd_step(before, expected, 0.5),
             rtol=1e-5,
             atol=1e-7,
         )
@@ -403,7 +386,10 @@ class ClippingEqualsNumpyTest(testing.TestCase):
         self.assertWeightsClose(mirrored, single, atol=2e-6)
         # The clipping was active: the unclipped run ends elsewhere.
         self.assertGreater(
-            max_change(unclipped.get_weights(), single.get_weights()), 1e-3
+            testing.max_difference(
+                unclipped.get_weights(), single.get_weights()
+            ),
+            1e-3,
         )
 
 
@@ -476,7 +462,10 @@ class ClippingArgumentsTest(testing.TestCase):
             one_step_sgd(trained, x, y)
         self.assertWeightsClose(loaded, model, atol=1e-6)
         self.assertGreater(
-            max_change(unclipped.get_weights(), model.get_weights()), 1e-3
+            testing.max_difference(
+                unclipped.get_weights(), model.get_weights()
+            ),
+            1e-3,
         )
 
     @parameterized.product(

@@ -130,8 +130,24 @@ def fit_one_epoch_sgd(
 
 
 def weights_after_one_sgd_step(weights, gradients, learning_rate):
-    """Returns `w - learning_rate * g` for each pair: the SGD oracle."""
-    return [w - learning_rate * g for w, g in zip(weights, gradients)]
+    """Returns `w - learning_rate * g` for each pair: the SGD oracle. A
+    weight whose gradient is `None` is unchanged."""
+    return [
+        w if g is None else w - learning_rate * g
+        for w, g in zip(weights, gradients)
+    ]
+
+
+def max_difference(arrays_a, arrays_b):
+    """Returns the largest entry-wise |a - b| over two aligned lists of
+    arrays, tensors or IndexedSlices (dense values); `None` pairs skipped."""
+    return max(
+        np.abs(
+            tf.convert_to_tensor(a).numpy() - tf.convert_to_tensor(b).numpy()
+        ).max()
+        for a, b in zip(arrays_a, arrays_b)
+        if a is not None and b is not None
+    )
 
 
 def tape_gradients(model, x, y, loss_fn):

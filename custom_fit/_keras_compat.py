@@ -2,20 +2,28 @@
 
 `TrainStepMixin` must behave exactly like `TensorFlowTrainer.train_step`
 (keras/src/backend/tensorflow/trainer.py), which uses three private
-attributes, and works around one Keras bug under MultiWorkerMirroredStrategy
-through a private method. Each use is isolated here and pinned by
+attributes; it works around one Keras bug under MultiWorkerMirroredStrategy
+through a private method (`PrivateOverrides`); and it recognises Keras'
+`clone_model` from its private helpers, so that a clone keeps the mixin
+options. Each use is isolated here and pinned by
 `tests/keras_compat_test.py`, so a Keras upgrade that renames one fails
 there first.
 """
 
+import sys
 from collections.abc import Iterable
 from typing import Any
 
 import keras
 import tensorflow as tf
 
+from custom_fit import _model_state
 from custom_fit import pipeline
 from custom_fit._types import Logs
+
+# Keras' helpers of `keras.models.clone_model` (keras/src/models/cloning.py).
+_CLONE_FUNCTIONAL = "_clone_functional_model"
+_CLONE_SEQUENTIAL = "_clone_sequential_model"
 
 
 def call_model(model: keras.Model, x: Any, training: bool) -> Any:
@@ -162,3 +170,77 @@ def is_multi_worker(model: keras.Model) -> bool:
         getattr(model, "_distribute_strategy", None),
         tf.distribute.MultiWorkerMirroredStrategy,
     )
+
+
+class PrivateOverrides:
+    """Overrides of private Keras methods, mixed into `TrainStepMixin`."""
+
+    def _maybe_symbolic_build(
+        self, iterator: Any = None, data_batch: Any = None
+    ) -> None:
+        """Keras' pre-`fit` build, with a MultiWorkerMirroredStrategy fix.
+
+        See `symbolic_build_batch`. The build traces `compute_loss` once,
+        outside any step (in cross-replica context under a strategy);
+        `report_metric` is muted meanwhile, as that trace is not a step.
+        """
+        if iterator is not None and is_multi_worker(self):
+            data_batch = symbolic_build_batch(self, iterator)
+            iterator = None
+        metrics = _model_state.state_of(self).metrics
+        muted = metrics.muted
+        metrics.muted = True
+        try:
+            return super()._maybe_symbolic_build(  # type: ignore[misc]
+                iterator=iterator, data_batch=data_batch
+            )
+        finally:
+            metrics.muted = muted
+
+
+def model_being_cloned(depth: int = 8) -> Any:
+    """Returns the model that `keras.models.clone_model` is cloning, if any.
+
+    For a functional model, Keras' `_clone_functional_model` builds the
+    clone with `model.__class__(inputs, outputs, name=...)`, without the
+    mixin keywords. Called from the clone's constructor, this finds the
+    original model in that helper's frame, so that the clone can take its
+    options.
+
+    Args:
+        depth: How many calling frames to look through.
+
+    Returns:
+        The model being cloned, or `None` outside `clone_model`.
+    """
+    frame = sys._getframe(1)
+    for _ in range(depth):
+        if frame is None:
+            return None
+        if frame.f_code.co_name == _CLONE_FUNCTIONAL:
+            return frame.f_locals.get("model")
+        frame = frame.f_back
+    return None
+
+
+def refuse_sequential_clone(model: Any) -> None:
+    """Raises when `keras.models.clone_model` clones a Sequential subclass.
+
+    Keras' `_clone_sequential_model` returns a plain `keras.Sequential`
+    whatever the class of the model, so every mixin option and hook would
+    be lost without a word. It reads `model.layers` first; the mixin calls
+    this from there.
+    """
+    frame = sys._getframe(2)
+    for _ in range(2):  # the helper, or a comprehension inside it
+        if frame is None:
+            return
+        if frame.f_code.co_name == _CLONE_SEQUENTIAL:
+            raise ValueError(
+                "keras.models.clone_model returns a plain keras.Sequential "
+                "for a subclass of Sequential, which would drop the "
+                f"custom_fit options and hooks of {type(model).__name__}. "
+                f"Received: a {type(model).__name__} model. Clone it with "
+                "`type(model).from_config(model.get_config())` instead."
+            )
+        frame = frame.f_back

@@ -4,18 +4,34 @@ A mixin declares each keyword it accepts as a class attribute:
 
 ```python
 class GradientClippingMixin(TrainStepMixin):
-    clipnorm = Option(None, _validation.positive_float_or_none)
+    clipnorm = Option(None, _validation.positive_float_or_none, bound=True)
+    clip_layers = Option(None, _validation.names_or_none,
+                         requires=CLIPPING_OPTIONS)
 ```
 
 `TrainStepMixin` finds every `Option` in the class's MRO, pops those
-keywords in `__init__`, validates them, and puts them in `get_config()`;
-`from_config` re-applies them. The option is then readable as a model
-attribute of the same name (`model.clipnorm`) and read-only: the training
-step is traced with these values, so they are fixed at construction.
+keywords in `__init__`, validates them, checks that each option set away
+from its default has the options it needs, and puts them in
+`get_config()`; `from_config` re-applies them. The option is then readable
+as a model attribute of the same name (`model.clipnorm`) and read-only: the
+training step is traced with these values, so they are fixed at
+construction. Keywords that are no option and that Keras would drop (a
+functional model ignores unknown keywords) are refused, with the closest
+option name as a suggestion.
 """
 
+import difflib
+import inspect
 from collections.abc import Callable
+from collections.abc import Sequence
 from typing import Any
+
+from custom_fit import _model_state
+from custom_fit import _validation
+
+# Keywords a functional model's constructor uses; Keras' `Functional`
+# silently drops every other one.
+_FUNCTIONAL_KEYWORDS = ("inputs", "outputs", "name", "trainable")
 
 
 class Option:
@@ -25,13 +41,25 @@ class Option:
         default: The value used when the keyword is not passed.
         validate: Callable `(name, value) -> value` that raises
             `ValueError` for a bad value and returns the value to store.
+        requires: Tuple of option names. A value other than `default`
+            has an effect only when one of them is set (not `None` or
+            `False`); otherwise it is refused.
+        bound: Bool. The value is a float used in the model's variable
+            dtype: it must stay finite and positive there.
     """
 
     def __init__(
-        self, default: Any, validate: Callable[[str, Any], Any]
+        self,
+        default: Any,
+        validate: Callable[[str, Any], Any],
+        *,
+        requires: Sequence[str] = (),
+        bound: bool = False,
     ) -> None:
         self.default = default
         self.validate = validate
+        self.requires = tuple(requires)
+        self.bound = bound
         self.name: str | None = None
 
     def __set_name__(self, owner: type, name: str) -> None:
@@ -40,9 +68,10 @@ class Option:
     def __get__(self, instance: object, owner: type | None = None) -> Any:
         if instance is None:
             return self
-        return instance.__dict__.get("_custom_fit_options", {}).get(
-            self.name, self.default
-        )
+        state = instance.__dict__.get("_custom_fit")
+        if state is None:
+            return self.default
+        return state.options.get(self.name, self.default)
 
     def __set__(self, instance: object, value: Any) -> None:
         raise AttributeError(
@@ -71,18 +100,146 @@ def declared_options(cls: type) -> dict[str, Option]:
     return options
 
 
-def store_options(instance: object, values: dict[str, Any]) -> None:
-    """Validates `values` and stores them on `instance`.
+def pop_options(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Removes the declared options of `cls` from `kwargs`; returns them."""
+    return {
+        name: kwargs.pop(name)
+        for name in declared_options(cls)
+        if name in kwargs
+    }
+
+
+def refuse_unknown_keywords(
+    cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    """Raises for keywords that would be dropped or that look misspelled.
+
+    A functional model (built from `inputs` and `outputs`) uses only
+    `_FUNCTIONAL_KEYWORDS`; Keras drops any other keyword without a word,
+    so every other one is refused here. Other models pass the keywords on
+    to Keras, which refuses unknown ones itself; a keyword close to an
+    option's name is refused here first, with the suggestion.
+
+    Args:
+        cls: The model class.
+        args: The positional arguments of the constructor.
+        kwargs: Its keyword arguments, options already removed.
+
+    Raises:
+        ValueError: Naming the keyword and the closest option.
+    """
+    options = list(declared_options(cls))
+    functional = _is_functional_call(args, kwargs)
+    for key in kwargs:
+        if functional and key in _FUNCTIONAL_KEYWORDS:
+            continue
+        close = difflib.get_close_matches(key, options, n=1, cutoff=0.75)
+        if not (functional or close):
+            continue
+        hint = (
+            f"Did you mean `{close[0]}`?"
+            if close
+            else f"The options of {cls.__name__} are: {options}."
+        )
+        raise ValueError(
+            f"{cls.__name__} got an unknown keyword argument `{key}`. "
+            f"Received: {key}={kwargs[key]!r}. {hint}"
+        )
+
+
+def _is_functional_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Returns whether the arguments build a functional model, as in Keras."""
+    return (
+        len(args) == 2
+        or (len(args) == 1 and "outputs" in kwargs)
+        or ("inputs" in kwargs and "outputs" in kwargs)
+    )
+
+
+def store_options(
+    instance: object, values: dict[str, Any], dtype: str = "float32"
+) -> None:
+    """Validates `values`, stores them on `instance`, checks them together.
 
     Args:
         instance: The model.
         values: Dict of option name to received value. Options missing
             from it keep their current value (the default at first).
+        dtype: String. The model's variable dtype, in which the `bound`
+            options must be finite and positive.
 
     Raises:
-        ValueError: From the option's validator, naming the argument.
+        ValueError: From the option's validator, naming the argument; or
+            when an option set away from its default lacks the option it
+            needs.
     """
-    stored = instance.__dict__.setdefault("_custom_fit_options", {})
-    for name, option in declared_options(type(instance)).items():
+    stored = _model_state.state_of(instance).options
+    options = declared_options(type(instance))
+    for name, option in options.items():
         if name in values:
             stored[name] = option.validate(name, values[name])
+            if option.bound:
+                _validation.representable(name, stored[name], dtype)
+    for name, option in options.items():
+        _check_requirements(instance, name, option)
+
+
+def _check_requirements(instance: object, name: str, option: Option) -> None:
+    """Raises if `name` is set but none of the options it needs is."""
+    value = getattr(instance, name)
+    if not option.requires or _same(value, option.default):
+        return
+    if any(_is_set(getattr(instance, other)) for other in option.requires):
+        return
+    received = ", ".join(
+        f"{other}={getattr(instance, other)!r}" for other in option.requires
+    )
+    needed = " or ".join(f"`{other}`" for other in option.requires)
+    raise ValueError(
+        f"`{name}` has no effect without {needed}. Received: "
+        f"{name}={value!r}, {received}. Set {needed.split(' or ')[0]} too, "
+        f"or leave `{name}` out."
+    )
+
+
+def _same(value: Any, default: Any) -> bool:
+    """Returns whether an option value equals its default."""
+    if isinstance(value, (list, tuple)) and isinstance(default, (list, tuple)):
+        return tuple(value) == tuple(default)
+    return value is default or value == default
+
+
+def _is_set(value: Any) -> bool:
+    """Returns whether an option counts as set (not `None` nor `False`)."""
+    return value is not None and value is not False
+
+
+def signature(cls: type) -> inspect.Signature:
+    """Returns the constructor signature of `cls`, options included.
+
+    The positional and keyword parameters of `cls.__init__` come first,
+    then each option as a keyword-only parameter with its default, then
+    `**kwargs`, so that `inspect.signature(Net)` and `help(Net)` show the
+    keywords a custom_fit model accepts.
+
+    Args:
+        cls: A model class deriving from a custom_fit mixin.
+
+    Returns:
+        An `inspect.Signature`.
+    """
+    init = inspect.signature(cls.__init__)
+    parameters = list(init.parameters.values())[1:]  # without `self`
+    variadic = [p for p in parameters if p.kind is p.VAR_KEYWORD]
+    if not variadic:
+        return init.replace(parameters=parameters)
+    head = [p for p in parameters if p.kind is not p.VAR_KEYWORD]
+    taken = {p.name for p in head}
+    options = [
+        inspect.Parameter(
+            name, inspect.Parameter.KEYWORD_ONLY, default=option.default
+        )
+        for name, option in declared_options(cls).items()
+        if name not in taken
+    ]
+    return init.replace(parameters=head + options + variadic)

@@ -8,10 +8,40 @@ config), never inside the training step.
 import math
 import numbers
 from collections.abc import Callable
+from collections.abc import Collection
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
+
+# The largest integer option accepted: counters and step numbers are int32
+# on some backends (JAX without x64), and `%` by a larger number overflows.
+MAX_INT = 2**31 - 1
+
+
+def shown(value: Any) -> str:
+    """Returns `repr(value)`, shortened for integers of many digits."""
+    text = repr(value)
+    if isinstance(value, numbers.Integral) and len(text) > 24:
+        return f"{text[:12]}...<{len(text)} digits>"
+    return text
+
+
+def _as_finite_float(value: Any) -> float | None:
+    """Returns `value` as a finite float, or `None` if it is not one.
+
+    Bools, strings and other non-numbers give `None`, and so do integers
+    too large for a float (which raise `OverflowError` in `float()`).
+    """
+    if isinstance(value, (bool, np.bool_)) or not isinstance(
+        value, numbers.Real
+    ):
+        return None
+    try:
+        number = float(value)
+    except (OverflowError, ValueError, TypeError):
+        return None
+    return number if math.isfinite(number) else None
 
 
 def positive_float_or_none(name: str, value: Any) -> float | None:
@@ -30,18 +60,43 @@ def positive_float_or_none(name: str, value: Any) -> float | None:
     """
     if value is None:
         return None
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, numbers.Real)
-        or not math.isfinite(value)
-        or value <= 0
-    ):
+    number = _as_finite_float(value)
+    if number is None or number <= 0:
         raise ValueError(
             f"`{name}` must be a finite float greater than 0, or None to "
-            f"turn it off. Received: {name}={value!r}. Pass a positive "
+            f"turn it off. Received: {name}={shown(value)}. Pass a positive "
             f"number such as {name}=1.0, or {name}=None."
         )
-    return float(value)
+    return number
+
+
+def representable(name: str, value: float | None, dtype: str) -> None:
+    """Checks that a positive float option stays finite and positive in `dtype`.
+
+    A bound such as `clipnorm=1e39` is finite as a Python float but
+    infinite in float32, and `1e-46` is zero there: the clipping factor
+    `bound / max(norm, bound)` is then NaN. Such values are refused.
+
+    Args:
+        name: String. The argument's name, used in the error message.
+        value: The validated float, or `None` (nothing to check).
+        dtype: String. The floating-point dtype the value is used in.
+
+    Raises:
+        ValueError: If `value` is infinite or zero once cast to `dtype`.
+    """
+    if value is None:
+        return
+    with np.errstate(over="ignore", under="ignore"):
+        cast = np.asarray(value, dtype=dtype)
+    if not np.isfinite(cast) or cast <= 0:
+        info = np.finfo(dtype)
+        raise ValueError(
+            f"`{name}` must be finite and greater than 0 in {dtype}, the "
+            f"dtype it is computed in. Received: {name}={value!r}, which is "
+            f"{float(cast)} in {dtype}. Pass a value between "
+            f"{float(info.tiny):g} and {float(info.max):g}."
+        )
 
 
 def positive_float(name: str, value: Any) -> float:
@@ -80,14 +135,33 @@ def positive_int_or_none(name: str, value: Any) -> int | None:
     """
     if value is None:
         return None
+    return positive_int(name, value, "or None for no limit")
+
+
+def positive_int(name: str, value: Any, alternative: str = "") -> int:
+    """Returns `value` as an int after checking that it is in [1, MAX_INT].
+
+    Args:
+        name: String. The argument's name, used in the error message.
+        value: The value received (a NumPy integer is accepted).
+        alternative: String added to the message after the range, such as
+            `"or None for no limit"`.
+
+    Returns:
+        `value` as a Python int.
+
+    Raises:
+        ValueError: If `value` is not an integer from 1 to `MAX_INT`.
+    """
     if (
-        isinstance(value, bool)
+        isinstance(value, (bool, np.bool_))
         or not isinstance(value, numbers.Integral)
-        or value < 1
+        or not 1 <= value <= MAX_INT
     ):
+        other = f", {alternative}" if alternative else ""
         raise ValueError(
-            f"`{name}` must be an integer >= 1, or None for no limit. "
-            f"Received: {name}={value!r}. Pass for example {name}=10."
+            f"`{name}` must be an integer from 1 to {MAX_INT}{other}. "
+            f"Received: {name}={shown(value)}. Pass for example {name}=10."
         )
     return int(value)
 
@@ -141,6 +215,52 @@ def names_or_none(name: str, value: Any) -> tuple[str, ...] | None:
         f"default. Received: {name}={value!r}. Pass a list of strings, even "
         f"for one name: for example {name}=['dense_1']."
     )
+
+
+def names_or_default(
+    default: tuple[str, ...],
+) -> Callable[[str, Any], tuple[str, ...]]:
+    """Returns a validator of a names list where `None` means `default`.
+
+    Args:
+        default: Tuple of names used for `None`.
+
+    Returns:
+        A callable `(name, value) -> tuple` that returns `default` for
+        `None` and otherwise checks `value` as `names_or_none` does.
+    """
+
+    def validate(name: str, value: Any) -> tuple[str, ...]:
+        names = names_or_none(name, value)
+        return default if names is None else names
+
+    return validate
+
+
+def known_names(
+    name: str,
+    value: Collection[str] | None,
+    available: Collection[str],
+    what: str,
+) -> None:
+    """Raises if a names option holds names that are not `available`.
+
+    Args:
+        name: String. The argument's name, used in the error message.
+        value: The validated names, or `None` (nothing to check).
+        available: The names that exist (layers, variables).
+        what: String. What the names name, for the message ("layers").
+
+    Raises:
+        ValueError: Naming the unknown names and listing `available`.
+    """
+    unknown = [item for item in value or () if item not in available]
+    if unknown:
+        raise ValueError(
+            f"`{name}` names {what} that the model does not have: "
+            f"{unknown}. Received: {name}={list(value or ())}. Use names "
+            f"from: {sorted(set(available))}."
+        )
 
 
 def one_of(allowed: tuple[str, ...]) -> Callable[[str, Any], str]:

@@ -112,8 +112,13 @@ def _scale(
 
 
 def _clip_factor(norm: tf.Tensor, max_norm: float) -> tf.Tensor:
-    """Returns `max_norm / max(norm, max_norm)`: 1 when within the bound."""
-    return max_norm / tf.maximum(norm, max_norm)
+    """Returns `max_norm / norm` above the bound, else 1 (also at norm 0).
+
+    The division is only taken where `norm > max_norm > 0`, so a zero norm
+    (all-zero sample weights) or a tiny bound never gives 0/0.
+    """
+    safe_norm = tf.maximum(norm, max_norm)
+    return tf.where(norm > max_norm, max_norm / safe_norm, tf.ones_like(norm))
 
 
 def clip_by_norm(gradients: Sequence[Gradient], clipnorm: float) -> Gradients:

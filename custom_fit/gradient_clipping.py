@@ -83,19 +83,41 @@ class GradientClippingMixin(TrainStepMixin):
           Normalization".
     """
 
-    clipvalue = _options.Option(None, _validation.positive_float_or_none)
-    clipnorm = _options.Option(None, _validation.positive_float_or_none)
-    global_clipnorm = _options.Option(None, _validation.positive_float_or_none)
-    layer_clipnorm = _options.Option(None, _validation.positive_float_or_none)
-    adaptive_clipping = _options.Option(
-        None, _validation.positive_float_or_none
+    clipvalue = _options.Option(
+        None, _validation.positive_float_or_none, bound=True
     )
-    adaptive_clipping_eps = _options.Option(1e-3, _validation.positive_float)
-    clip_layers = _options.Option(None, _validation.names_or_none)
-    no_clip_layers = _options.Option(None, _validation.names_or_none)
+    clipnorm = _options.Option(
+        None, _validation.positive_float_or_none, bound=True
+    )
+    global_clipnorm = _options.Option(
+        None, _validation.positive_float_or_none, bound=True
+    )
+    layer_clipnorm = _options.Option(
+        None, _validation.positive_float_or_none, bound=True
+    )
+    adaptive_clipping = _options.Option(
+        None, _validation.positive_float_or_none, bound=True
+    )
+    adaptive_clipping_eps = _options.Option(
+        1e-3,
+        _validation.positive_float,
+        requires=("adaptive_clipping",),
+        bound=True,
+    )
+    clip_layers = _options.Option(
+        None, _validation.names_or_none, requires=_CLIPPING_OPTIONS
+    )
+    no_clip_layers = _options.Option(
+        None, _validation.names_or_none, requires=_CLIPPING_OPTIONS
+    )
 
     def _configure_options(self, options: dict[str, Any]) -> None:
-        """Adds a check: `clip_layers` and `no_clip_layers` are exclusive."""
+        """Adds checks of the layer selection.
+
+        `clip_layers` and `no_clip_layers` are exclusive, and name layers of
+        the model: checked here when the layers are known at construction
+        (functional and Sequential models), else at the first step.
+        """
         super()._configure_options(options)
         if self.clip_layers is not None and self.no_clip_layers is not None:
             raise ValueError(
@@ -104,6 +126,8 @@ class GradientClippingMixin(TrainStepMixin):
                 f"no_clip_layers={list(self.no_clip_layers)}. Pass only one "
                 "of them."
             )
+        if self.layers:
+            self._check_selected_layers()
 
     def _clips_gradients(self) -> bool:
         """Returns whether any clipping option is set."""
@@ -163,16 +187,27 @@ class GradientClippingMixin(TrainStepMixin):
     def _owning_layer_names(self, variables: Sequence[Variable]) -> list[str]:
         """Returns each variable's layer name; checks the selected names.
 
-        The check runs at trace time, when the layers are known.
+        The check runs again at trace time, when the layers of every kind of
+        model are known.
         """
-        known = {layer.name for layer in self.layers} | {self.name}
+        owners = self.layer_names_of(variables)
+        self._check_selected_layers(own_variables=self.name in owners)
+        return owners
+
+    def _check_selected_layers(self, own_variables: bool = False) -> None:
+        """Raises if `clip_layers` or `no_clip_layers` names a missing layer.
+
+        The model's own name selects the variables the model itself owns
+        (not a layer's); it is accepted only when there are such variables.
+        """
+        known = [layer.name for layer in self.layers]
+        accepted = known + [self.name] if own_variables else known
         for argument in ("clip_layers", "no_clip_layers"):
-            names = getattr(self, argument) or ()
-            unknown = [name for name in names if name not in known]
+            names = getattr(self, argument)
+            unknown = [name for name in names or () if name not in accepted]
             if unknown:
                 raise ValueError(
                     f"`{argument}` names layers that the model does not "
                     f"have: {unknown}. Received: {argument}={list(names)}. "
-                    f"Use names from `model.layers`: {sorted(known)}."
+                    f"Use names from `model.layers`: {known}."
                 )
-        return self.layer_names_of(variables)

@@ -2,11 +2,11 @@
 
 from collections.abc import Callable
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 import tensorflow as tf
 
+from custom_fit import _model_state
 from custom_fit import _options
 from custom_fit import _state
 from custom_fit import _validation
@@ -55,9 +55,9 @@ class GradientInspectionMixin(TrainStepMixin):
             `"update_ratio"` (norm of the applied update over the weight
             norm; costs a copy of the weights each inspected step).
             Defaults to none.
-        inspect_every: Integer. Per-layer figures are recorded on steps
-            whose optimizer iteration is a multiple of this. `grad_norm` is
-            logged every step. Defaults to 1.
+        inspect_every: Integer from 1 to 2**31 - 1. Per-layer figures are
+            recorded on steps whose optimizer iteration is a multiple of
+            this. `grad_norm` is logged every step. Defaults to 1.
         keep_gradients: Bool. Keep the last inspected step's gradients for
             `model.layer_gradients` (memory: one copy of the trainable
             weights). Defaults to `False`.
@@ -82,23 +82,8 @@ class GradientInspectionMixin(TrainStepMixin):
     gradient_statistics = _options.Option(
         (), _validation.subset_of(inspection.STATISTICS)
     )
-    inspect_every = _options.Option(1, _validation.positive_int_or_none)
+    inspect_every = _options.Option(1, _validation.positive_int)
     keep_gradients = _options.Option(False, _validation.boolean)
-
-    def _configure_options(self, options: dict[str, Any]) -> None:
-        """Refuses `inspect_every=None`: a step frequency is needed."""
-        super()._configure_options(options)
-        if self.inspect_every is None:
-            raise ValueError(
-                "`inspect_every` must be an integer >= 1. Received: "
-                "inspect_every=None. Pass inspect_every=1 to inspect every "
-                "step."
-            )
-        if "_inspection_states" not in self.__dict__:
-            # One state per set of inspected variables (freezing a layer and
-            # compiling again changes the set); the last traced one is read.
-            self.__dict__["_inspection_states"] = {}
-            self.__dict__["_inspection_key"] = None
 
     # Reading the state (host side).
 
@@ -148,8 +133,13 @@ class GradientInspectionMixin(TrainStepMixin):
         return int(state.count.numpy()) if state else 0
 
     def _current_inspection_state(self) -> "_InspectionState | None":
-        """Returns the state of the last traced step, or `None`."""
-        return self._inspection_states.get(self._inspection_key)
+        """Returns the state of the last traced step, or `None`.
+
+        There is one state per set of inspected variables (freezing a layer
+        and compiling again changes the set); the last traced one is read.
+        """
+        state = _model_state.state_of(self)
+        return state.inspection.get(state.inspection_key)
 
     # In the step.
 
@@ -261,16 +251,17 @@ class GradientInspectionMixin(TrainStepMixin):
 
         Created outside the trace (`tf.init_scope`); see `_InspectionState`.
         """
+        state = _model_state.state_of(self)
         key = tuple(id(variable) for variable in variables)
-        if key not in self._inspection_states:
-            self._inspection_states[key] = _InspectionState(
+        if key not in state.inspection:
+            state.inspection[key] = _InspectionState(
                 owners,
                 variables,
                 ("norm",) + tuple(self.gradient_statistics),
                 self.keep_gradients,
             )
-        self.__dict__["_inspection_key"] = key
-        return self._inspection_states[key]
+        state.inspection_key = key
+        return state.inspection[key]
 
 
 class _InspectionState:

@@ -6,11 +6,13 @@ import keras
 import tensorflow as tf
 
 from custom_fit import _keras_compat
+from custom_fit import _model_state
 from custom_fit import _options
 from custom_fit import _validation
 from custom_fit import pipeline
 from custom_fit import regularization
 from custom_fit._types import Scalar
+from custom_fit._types import Variable
 from custom_fit.train_step import TrainStepMixin
 
 _BUILT_IN_TERMS = ("l1_penalty", "l2_penalty", "input_gradient_penalty")
@@ -85,17 +87,27 @@ class RegularizationMixin(TrainStepMixin):
     ```
     """
 
-    l1 = _options.Option(None, _validation.positive_float_or_none)
-    l2 = _options.Option(None, _validation.positive_float_or_none)
+    l1 = _options.Option(None, _validation.positive_float_or_none, bound=True)
+    l2 = _options.Option(None, _validation.positive_float_or_none, bound=True)
     penalized_variable_names = _options.Option(
-        regularization.DEFAULT_PENALIZED_NAMES, _validation.names_or_none
+        regularization.DEFAULT_PENALIZED_NAMES,
+        _validation.names_or_default(regularization.DEFAULT_PENALIZED_NAMES),
+        requires=("l1", "l2"),
     )
     input_gradient_penalty = _options.Option(
-        None, _validation.positive_float_or_none
+        None, _validation.positive_float_or_none, bound=True
     )
     input_gradient_penalty_form = _options.Option(
-        "squared_norm", _validation.one_of(regularization.INPUT_GRADIENT_FORMS)
+        "squared_norm",
+        _validation.one_of(regularization.INPUT_GRADIENT_FORMS),
+        requires=("input_gradient_penalty",),
     )
+
+    def _configure_options(self, options: dict[str, Any]) -> None:
+        """Checks `penalized_variable_names` when the variables are known."""
+        super()._configure_options(options)
+        if self.built and self.trainable_variables:
+            self._penalized_variables()
 
     def regularization_losses(
         self, x: Any, y: Any, y_pred: Any
@@ -141,6 +153,9 @@ class RegularizationMixin(TrainStepMixin):
         total = super().compute_loss(
             x, y, y_pred, sample_weight, training=training
         )
+        state = _model_state.state_of(self)
+        # `minimize` in the same step must not add the penalties again.
+        state.local.penalized_at = state.generation
         replicas = pipeline.replica_count()
         batch_size = _keras_compat.batch_size(x, total.dtype)
         unscaled_total = total * replicas if replicas > 1 else total
@@ -170,14 +185,7 @@ class RegularizationMixin(TrainStepMixin):
         training: bool,
     ) -> dict[str, tf.Tensor]:
         """Returns the keyword penalties and the hook's terms, checked."""
-        terms: dict[str, tf.Tensor] = {}
-        penalized = regularization.select_variables(
-            self.trainable_variables, self.penalized_variable_names or ()
-        )
-        if self.l1 is not None:
-            terms["l1_penalty"] = regularization.l1_penalty(penalized, self.l1)
-        if self.l2 is not None:
-            terms["l2_penalty"] = regularization.l2_penalty(penalized, self.l2)
+        terms = self._weight_penalties()
         if self.input_gradient_penalty is not None:
             terms["input_gradient_penalty"] = (
                 self.input_gradient_penalty
@@ -185,6 +193,142 @@ class RegularizationMixin(TrainStepMixin):
             )
         terms.update(self._checked_hook_terms(x, y, y_pred))
         return terms
+
+    def _weight_penalties(self) -> dict[str, tf.Tensor]:
+        """Returns the `l1` and `l2` penalties that are set."""
+        terms: dict[str, tf.Tensor] = {}
+        if self.l1 is None and self.l2 is None:
+            return terms
+        penalized = self._penalized_variables()
+        if self.l1 is not None:
+            terms["l1_penalty"] = regularization.l1_penalty(penalized, self.l1)
+        if self.l2 is not None:
+            terms["l2_penalty"] = regularization.l2_penalty(penalized, self.l2)
+        return terms
+
+    def _penalized_variables(self) -> list[Variable]:
+        """Returns the variables `l1` and `l2` act on; refuses an empty set."""
+        variables = self.trainable_variables
+        penalized = regularization.select_variables(
+            variables, self.penalized_variable_names
+        )
+        if (self.l1 is not None or self.l2 is not None) and not penalized:
+            _validation.known_names(
+                "penalized_variable_names",
+                self.penalized_variable_names,
+                [regularization.variable_name(v) for v in variables],
+                "variables",
+            )
+        return penalized
+
+    def _add_penalties(self, loss: tf.Tensor, penalty_inputs: Any) -> tf.Tensor:
+        """Adds this network's penalties to a loss that `minimize` receives.
+
+        A loss from this model's `compute_loss` in the same step holds them
+        already and is returned as is. Otherwise (a network updated in
+        another model's step, or in a hand-written loop) the keyword
+        penalties are added, divided by the replica count as in
+        `compute_loss`, and reported under the network's name. The
+        `regularization_losses` hook needs a batch and runs only in
+        `compute_loss`.
+        """
+        state = _model_state.state_of(self)
+        if getattr(state.local, "penalized_at", None) == state.generation:
+            state.local.penalized_at = None
+            return super()._add_penalties(loss, penalty_inputs)
+        terms = self._weight_penalties()
+        if self.input_gradient_penalty is None:
+            super()._add_penalties(loss, penalty_inputs)  # refuses inputs
+        elif penalty_inputs is None:
+            raise ValueError(
+                f"The network {self.name!r} has input_gradient_penalty="
+                f"{self.input_gradient_penalty}, taken at inputs that the "
+                "caller of `minimize` names. Received: penalty_inputs=None. "
+                "Pass the inputs, e.g. `minimize(loss, tape, "
+                "penalty_inputs=interpolated)` for WGAN-GP."
+            )
+        else:
+            terms["input_gradient_penalty"] = (
+                self.input_gradient_penalty
+                * self._output_gradient_term(penalty_inputs)
+            )
+        replicas = pipeline.replica_count()
+        for name, value in terms.items():
+            self.report_metric(name, value)
+            value = tf.cast(value, loss.dtype)
+            loss = loss + (value / replicas if replicas > 1 else value)
+        return loss
+
+    def _output_gradient_term(self, inputs: Any) -> tf.Tensor:
+        """Returns the penalty on the gradient of the outputs at `inputs`.
+
+        The per-sample gradient of the network's output (its entries
+        summed) with respect to its inputs: WGAN-GP's critic gradient when
+        the output is one score per sample.
+        """
+        _, watched, inputs = self._differentiable_inputs(inputs)
+        with tf.GradientTape() as tape:
+            tape.watch(watched)
+            outputs = self.forward_pass(inputs, training=True)
+            total = tf.add_n(
+                [
+                    tf.reduce_sum(tf.cast(output, tf.float32))
+                    for output in tf.nest.flatten(outputs)
+                ]
+            )
+        gradients = tape.gradient(
+            total, watched, unconnected_gradients=tf.UnconnectedGradients.ZERO
+        )
+        return regularization.input_gradient_penalty(
+            gradients, self.input_gradient_penalty_form
+        )
+
+    def _differentiable_inputs(
+        self, x: Any
+    ) -> tuple[list[tuple[Any, Any]], list[tf.Tensor], Any]:
+        """Returns the inputs to differentiate, cast as the model takes them.
+
+        An input counts when the model's own input of that position is
+        floating point (Keras casts integer data to a float `Input`), or,
+        when the model's inputs are not known (a subclassed model), when
+        the data is floating point.
+
+        Returns:
+            A tuple `(labelled, watched, x)`: the flattened `(path, tensor)`
+            pairs of `x`, the floating tensors to watch, and `x` rebuilt
+            with those tensors.
+
+        Raises:
+            ValueError: If no input is floating point.
+        """
+        labelled = keras.tree.flatten_with_path(x)
+        declared = getattr(self, "inputs", None) or []
+        dtypes: list[Any] = [None] * len(labelled)
+        if len(declared) == len(labelled):
+            dtypes = [getattr(t, "dtype", None) for t in declared]
+        flat, watched = [], []
+        for (_, tensor), dtype in zip(labelled, dtypes):
+            if tensor is not None:
+                tensor = tf.convert_to_tensor(tensor)
+                target = tf.as_dtype(dtype or tensor.dtype)
+                if target.is_floating:
+                    tensor = tf.cast(tensor, target)
+                    watched.append(tensor)
+            flat.append(tensor)
+        if not watched:
+            received = ", ".join(
+                f"{_input_label(path)} of dtype "
+                f"{tf.as_dtype(tensor.dtype).name}"
+                for path, tensor in labelled
+                if tensor is not None
+            )
+            raise ValueError(
+                "`input_gradient_penalty` needs at least one floating-point "
+                f"input. Received inputs: {received}. Leave "
+                "`input_gradient_penalty` off when every input is an "
+                "integer, such as token ids."
+            )
+        return labelled, watched, keras.tree.pack_sequence_as(x, flat)
 
     def _checked_hook_terms(
         self, x: Any, y: Any, y_pred: Any
@@ -223,24 +367,7 @@ class RegularizationMixin(TrainStepMixin):
         gradients are those of the unweighted loss; the sample weights then
         weight each sample's penalty as Keras weights its loss.
         """
-        labelled = keras.tree.flatten_with_path(x)
-        inputs = [
-            tensor
-            for _, tensor in labelled
-            if tensor is not None and tensor.dtype.is_floating
-        ]
-        if not inputs:
-            received = ", ".join(
-                f"{_input_label(path)} of dtype {tensor.dtype.name}"
-                for path, tensor in labelled
-                if tensor is not None
-            )
-            raise ValueError(
-                "`input_gradient_penalty` needs at least one floating-point "
-                f"input. Received inputs: {received}. Leave "
-                "`input_gradient_penalty` off when every input is an "
-                "integer, such as token ids."
-            )
+        _, inputs, x = self._differentiable_inputs(x)
         weights = tf.nest.flatten(sample_weight)
         if len(weights) > 1:
             raise ValueError(

@@ -1,11 +1,13 @@
 """`SharpnessAwareMixin`: SAM's two passes inside `fit`."""
 
+import warnings
 from typing import Any
 
 import keras
 import tensorflow as tf
 
 from custom_fit import _keras_compat
+from custom_fit import _model_state
 from custom_fit import _options
 from custom_fit import _validation
 from custom_fit import pipeline
@@ -57,7 +59,7 @@ class SharpnessAwareMixin(TrainStepMixin):
         Generalization".
     """
 
-    sam_rho = _options.Option(0.05, _validation.positive_float)
+    sam_rho = _options.Option(0.05, _validation.positive_float, bound=True)
 
     def train_step(self, data: Any) -> Logs:
         """Runs SAM's two passes, then tracks the first pass's metrics.
@@ -70,10 +72,18 @@ class SharpnessAwareMixin(TrainStepMixin):
         """
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         variables = self.trainable_variables
+        if not variables:
+            warnings.warn(
+                "The model does not have any trainable weights.", stacklevel=2
+            )
         optimizer = self._checked_optimizer(None)
-        layer_state = self._layer_state_before_step()
+        before = self._begin_train_step()
         with tf.GradientTape() as tape:
             y_pred, loss = self._forward_and_loss(x, y, sample_weight)
+        if not variables:
+            return self._end_train_step(
+                x, y, y_pred, sample_weight, loss, None, before
+            )
         with tape:
             scaled_loss = optimizer.scale_loss(loss)
         gradients = self.compute_gradients(
@@ -84,19 +94,21 @@ class SharpnessAwareMixin(TrainStepMixin):
             variables,
             sharpness.perturbed_weights(weights, gradients, self.sam_rho),
         )
-        self.__dict__["_muted_reports"] = True
+        metrics = _model_state.state_of(self).metrics
+        metrics.muted = True
         try:
             with tf.GradientTape() as perturbed_tape:
                 _, perturbed_loss = self._forward_and_loss(x, y, sample_weight)
         finally:
-            self.__dict__["_muted_reports"] = False
+            metrics.muted = False
         # The tape holds the values read at `w + e`; the update acts on `w`.
         pipeline.assign_variables(variables, weights)
-        counted = self._minimize(
+        update = self._minimize(
             perturbed_loss, perturbed_tape, variables, optimizer
-        )[1]
-        self._restore_layer_state_if_skipped(layer_state, counted)
-        return self._end_train_step(x, y, y_pred, sample_weight, loss, counted)
+        )
+        return self._end_train_step(
+            x, y, y_pred, sample_weight, loss, update.counted, before
+        )
 
     def _forward_and_loss(
         self, x: Any, y: Any, sample_weight: Any

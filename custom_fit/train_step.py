@@ -1,5 +1,6 @@
 """`TrainStepMixin`: `train_step` and `test_step` as a pipeline of hooks."""
 
+import dataclasses
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -8,12 +9,13 @@ from typing import TypeVar
 import keras
 import tensorflow as tf
 
+from custom_fit import _guard
 from custom_fit import _keras_compat
+from custom_fit import _model_state
 from custom_fit import _options
-from custom_fit import _scalar_metrics
+from custom_fit import _step_metrics
 from custom_fit import _validation
 from custom_fit import accumulation
-from custom_fit import clipping
 from custom_fit import pipeline
 from custom_fit._types import Gradients
 from custom_fit._types import Logs
@@ -22,15 +24,10 @@ from custom_fit._types import Scalar
 from custom_fit._types import StepFunction
 from custom_fit._types import Variable
 
-# The models whose train or test function is running, innermost last, with
-# the kind of step ("train" or "test"). A module global, not a context
-# variable: MirroredStrategy traces each replica in a thread of its own.
-_DRIVERS: list[tuple["TrainStepMixin", str]] = []
-
 _Model = TypeVar("_Model", bound="TrainStepMixin")
 
 
-class TrainStepMixin:
+class TrainStepMixin(_keras_compat.PrivateOverrides):
     """Base mixin: Keras' training step, split into overridable hooks.
 
     Put it (or any custom_fit mixin, which all derive from it) before the
@@ -110,41 +107,46 @@ class TrainStepMixin:
 
     skip_nonfinite = _options.Option(False, _validation.boolean)
     max_consecutive_skipped_steps = _options.Option(
-        20, _validation.positive_int_or_none
+        20, _validation.positive_int_or_none, requires=("skip_nonfinite",)
     )
     gradient_accumulation_steps = _options.Option(
         None, _validation.positive_int_or_none
     )
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Gives each model class a signature that lists its options."""
+        super().__init_subclass__(**kwargs)
+        cls.__signature__ = _options.signature(cls)
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         _refuse_parameter_server_strategy()
-        names = _options.declared_options(type(self))
-        options = {name: kwargs.pop(name) for name in names if name in kwargs}
+        options = _options.pop_options(type(self), kwargs)
+        _options.refuse_unknown_keywords(type(self), args, kwargs)
+        source = _keras_compat.model_being_cloned()
         super().__init__(*args, **kwargs)
+        if not options and isinstance(source, TrainStepMixin):
+            # keras.models.clone_model builds the clone without keywords.
+            options = dict(_model_state.state_of(source).options)
         self._configure_options(options)
 
     def _configure_options(self, options: dict[str, Any]) -> None:
         """Validates and stores `options`, then creates the state they need."""
-        _options.store_options(self, options)
-        self._warned_about: set[str] = set()
-        if "_step_metrics" not in self.__dict__:
-            # Kept out of Keras' attribute tracking, which refuses new state
-            # on a built model; `metrics` below lists them instead.
-            self.__dict__["_step_metrics"] = {}
-            # Log key -> kinds of step ("train", "test") that report it.
-            self.__dict__["_step_metric_kinds"] = {}
-            self.__dict__["_accumulators"] = {}
-            self.__dict__["_muted_reports"] = False
-        if self.skip_nonfinite and not hasattr(
-            self, "_consecutive_skipped_steps"
-        ):
-            self._consecutive_skipped_steps = tf.Variable(
-                0,
-                dtype=tf.int64,
-                trainable=False,
-                aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
-                name="consecutive_skipped_steps",
-            )
+        dtype = keras.backend.standardize_dtype(
+            self.dtype_policy.variable_dtype
+        )
+        _options.store_options(self, options, dtype)
+        state = _model_state.state_of(self)
+        state.guard = _guard.NonFiniteGuard(self)
+
+    @property
+    def layers(self) -> list[keras.layers.Layer]:
+        """The model's layers, as in Keras.
+
+        `keras.models.clone_model` of a Sequential subclass is refused
+        here: Keras would return a plain `keras.Sequential`.
+        """
+        _keras_compat.refuse_sequential_clone(self)
+        return super().layers
 
     # Hooks, in the order `train_step` calls them.
 
@@ -282,6 +284,8 @@ class TrainStepMixin:
         tape: tf.GradientTape,
         variables: Sequence[Variable] | None = None,
         optimizer: Optimizer | None = None,
+        *,
+        penalty_inputs: Any = None,
     ) -> tf.Tensor | None:
         """Runs the gradient pipeline of this model for one loss.
 
@@ -303,6 +307,14 @@ class TrainStepMixin:
         logged under the network's name, `discriminator_grad_norm`, by the
         model whose `fit` runs, if that model is a custom_fit model.
 
+        A network with `RegularizationMixin` options gets its penalties
+        added to `loss` here (its `compute_loss` did not run), and logged
+        under its name (`critic_l2_penalty`); its input-gradient penalty
+        is taken at `penalty_inputs`, the gradient of the network's output
+        with respect to them (WGAN-GP's interpolated samples). A loss that
+        came from this model's own `compute_loss` in the same step already
+        holds them and is not penalized twice.
+
         Call it inside a training step (in the replica context under
         `tf.distribute`).
 
@@ -318,6 +330,10 @@ class TrainStepMixin:
                 `self.trainable_variables`.
             optimizer: The optimizer to update them with. Defaults to
                 `self.optimizer`.
+            penalty_inputs: Inputs of this network at which its
+                `input_gradient_penalty` is taken (a tensor or the nested
+                structure the network takes). Needed exactly when the
+                network has that option.
 
         Returns:
             `None` when the update is applied unconditionally (a
@@ -327,10 +343,14 @@ class TrainStepMixin:
             micro-batch of gradient accumulation).
 
         Raises:
-            ValueError: If there is no optimizer, or the optimizer has its
-                own `gradient_accumulation_steps`.
+            ValueError: If there is no optimizer, the optimizer has its
+                own `gradient_accumulation_steps`, `penalty_inputs` is
+                missing or has no use, or `transform_gradients` returns a
+                list that does not match the variables.
         """
-        return self._minimize(loss, tape, variables, optimizer)[0]
+        return self._minimize(
+            loss, tape, variables, optimizer, penalty_inputs
+        ).applied
 
     def _minimize(
         self,
@@ -338,41 +358,76 @@ class TrainStepMixin:
         tape: tf.GradientTape,
         variables: Sequence[Variable] | None,
         optimizer: Optimizer | None,
-    ) -> tuple[tf.Tensor | None, tf.Tensor | None]:
-        """`minimize`, also returning whether this batch's loss counts.
-
-        Returns a tuple `(applied, counted)`: `applied` as `minimize`
-        returns it; `counted`, with `skip_nonfinite`, a boolean tensor that
-        is false when this batch's own gradients are not finite (its loss
-        then stays out of the epoch mean), else `None`.
-        """
+        penalty_inputs: Any = None,
+    ) -> "_Update":
+        """`minimize`, returning the named outcome of the update."""
         optimizer = self._checked_optimizer(optimizer)
         if variables is None:
             variables = self.trainable_variables
         variables = list(variables)
         self._warn_about_optimizer_clipping(optimizer)
         with tape:
+            loss = self._add_penalties(loss, penalty_inputs)
             scaled_loss = optimizer.scale_loss(loss)
         gradients = self.compute_gradients(
             tape, scaled_loss, variables, optimizer=optimizer
         )
-        counted = None
+        guard = _model_state.state_of(self).guard
+        counted = guard.batch_is_finite(gradients)
         is_update = None
         if self.gradient_accumulation_steps not in (None, 1):
-            if self.skip_nonfinite:
-                counted = clipping.all_finite(gradients)
             accumulator = self._accumulator(variables)
             gradients, is_update = accumulator.accumulate(gradients)
-
-        check = self.skip_nonfinite or isinstance(
-            optimizer, keras.optimizers.LossScaleOptimizer
+        transformed = self._transformed(gradients, variables)
+        verdict = guard.decide(gradients, transformed, optimizer)
+        self._inspect_and_apply(
+            gradients, transformed, variables, optimizer, verdict, is_update
         )
-        finite = clipping.all_finite(gradients) if check else None
+        guard.record(verdict, is_update)
+        applied = verdict.finite if guard.active else None
+        if is_update is not None:
+            applied = (
+                is_update
+                if applied is None
+                else tf.logical_and(is_update, applied)
+            )
+        else:
+            counted = applied
+        return _Update(applied=applied, counted=counted)
+
+    def _add_penalties(self, loss: tf.Tensor, penalty_inputs: Any) -> tf.Tensor:
+        """Returns the loss `minimize` differentiates: here, `loss` itself.
+
+        `RegularizationMixin` adds the network's penalties.
+        """
+        if penalty_inputs is not None:
+            raise ValueError(
+                "`penalty_inputs` is only used by an input-gradient penalty, "
+                f"and the model {self.name!r} has none. Received: "
+                "penalty_inputs=<given>. Build the network with "
+                "custom_fit.RegularizationMixin and input_gradient_penalty=, "
+                "or leave `penalty_inputs` out."
+            )
+        return loss
+
+    def _transformed(
+        self, gradients: Gradients, variables: Sequence[Variable]
+    ) -> Gradients:
+        """Runs `transform_gradients` and checks what it returns."""
         transformed = self.transform_gradients(gradients, variables)
-        if self.skip_nonfinite:
-            finite = tf.logical_and(finite, clipping.all_finite(transformed))
-            if counted is None:
-                counted = finite
+        _check_transformed(gradients, transformed, variables)
+        return list(transformed)
+
+    def _inspect_and_apply(
+        self,
+        gradients: Gradients,
+        transformed: Gradients,
+        variables: Sequence[Variable],
+        optimizer: Optimizer,
+        verdict: _guard.Verdict,
+        is_update: tf.Tensor | None,
+    ) -> None:
+        """Inspects and applies, on update steps only with accumulation."""
 
         def inspect() -> None:
             self.inspect_gradients(
@@ -386,24 +441,14 @@ class TrainStepMixin:
 
         if is_update is None:
             inspect()
-            apply(transformed, finite)
-            applied = finite if self.skip_nonfinite else None
-        else:
-            tf.cond(
-                is_update,
-                lambda: inspect() or tf.constant(True),
-                lambda: tf.constant(False),
-            )
-            pipeline.run_if(is_update, apply, args=(transformed, finite))
-            applied = is_update
-            if self.skip_nonfinite:
-                applied = tf.logical_and(is_update, finite)
-        if self.skip_nonfinite:
-            skipped = tf.logical_not(finite)
-            if is_update is not None:
-                skipped = tf.logical_and(is_update, skipped)
-            self._record_skipped_step(skipped, is_update)
-        return applied, counted
+            apply(transformed, verdict.finite)
+            return
+        tf.cond(
+            is_update,
+            lambda: inspect() or tf.constant(True),
+            lambda: tf.constant(False),
+        )
+        pipeline.run_if(is_update, apply, args=(transformed, verdict.finite))
 
     def _checked_optimizer(self, optimizer: Optimizer | None) -> Optimizer:
         """Returns the optimizer of an update, refusing unusable ones."""
@@ -432,12 +477,13 @@ class TrainStepMixin:
         self, variables: Sequence[Variable]
     ) -> accumulation.GradientAccumulator:
         """Returns the gradient accumulator of `variables`, made once."""
+        accumulators = _model_state.state_of(self).accumulators
         key = tuple(id(variable) for variable in variables)
-        if key not in self._accumulators:
-            self._accumulators[key] = accumulation.GradientAccumulator(
+        if key not in accumulators:
+            accumulators[key] = accumulation.GradientAccumulator(
                 variables, self.gradient_accumulation_steps
             )
-        return self._accumulators[key]
+        return accumulators[key]
 
     # The step.
 
@@ -451,51 +497,45 @@ class TrainStepMixin:
             A dict of metric results, as `keras.Model.train_step` returns.
         """
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        layer_state = self._layer_state_before_step()
+        before = self._begin_train_step()
         with tf.GradientTape() as tape:
             y_pred = self.forward_pass(x, training=True)
             loss = _keras_compat.compute_loss(
                 self, x, y, y_pred, sample_weight, training=True
             )
         counted = self._minimize_if_trainable(loss, tape)
-        self._restore_layer_state_if_skipped(layer_state, counted)
-        return self._end_train_step(x, y, y_pred, sample_weight, loss, counted)
+        return self._end_train_step(
+            x, y, y_pred, sample_weight, loss, counted, before
+        )
 
-    def _layer_state_before_step(
-        self,
-    ) -> tuple[list[Variable], list[tf.Tensor]] | None:
-        """With `skip_nonfinite`, copies the layers' non-trainable state.
+    def _begin_train_step(self) -> "_StepStart | None":
+        """With `skip_nonfinite`, keeps what a skipped step must not change.
 
-        The forward pass updates it in training mode (BatchNormalization's
-        moving statistics, dropout's seed); a batch whose gradients are not
-        finite would leave NaN statistics behind. Returns `None` without
-        `skip_nonfinite`, else `(variables, copies)`.
+        The forward pass updates layer state in training mode
+        (BatchNormalization's moving statistics, dropout's seed), and the
+        loss and metrics are updated with the batch's predictions; a batch
+        whose gradients are not finite would leave NaN statistics and
+        metrics behind. This copies the layer state and Keras' metric
+        state, and holds the reports of `report_metric`, until
+        `_end_train_step` knows whether the step counts.
+
+        Returns:
+            `None` without `skip_nonfinite`, else a `_StepStart`.
         """
         if not self.skip_nonfinite:
             return None
-        variables = list(self.non_trainable_variables)
-        if not variables:
-            return None
-        copies = [tf.identity(tf.convert_to_tensor(v)) for v in variables]
-        return variables, copies
-
-    def _restore_layer_state_if_skipped(
-        self,
-        layer_state: tuple[list[Variable], list[tf.Tensor]] | None,
-        counted: tf.Tensor | None,
-    ) -> None:
-        """Writes back the copied state when this batch was not `counted`.
-
-        A batch is not counted when its own gradients are not finite, so it
-        leaves nothing behind, as if it had not been in the data.
-        """
-        if layer_state is None or counted is None:
-            return
-        variables, copies = layer_state
-        pipeline.run_if(
-            tf.logical_not(counted),
-            lambda copies: pipeline.assign_variables(variables, copies),
-            args=(copies,),
+        _model_state.state_of(self).metrics.hold()
+        layer_variables = list(self.non_trainable_variables)
+        metric_variables = [
+            variable
+            for metric in super().metrics
+            for variable in metric.variables
+        ]
+        return _StepStart(
+            layer_variables,
+            _copies(layer_variables),
+            metric_variables,
+            _copies(metric_variables),
         )
 
     def _minimize_if_trainable(
@@ -503,14 +543,14 @@ class TrainStepMixin:
     ) -> tf.Tensor | None:
         """Runs `_minimize`; warns as Keras does without trainable weights.
 
-        Returns `counted` (see `_minimize`).
+        Returns whether the batch counts (see `_Update`).
         """
         if not self.trainable_variables:
             warnings.warn(
                 "The model does not have any trainable weights.", stacklevel=3
             )
             return None
-        return self._minimize(loss, tape, None, None)[1]
+        return self._minimize(loss, tape, None, None).counted
 
     def _end_train_step(
         self,
@@ -520,37 +560,39 @@ class TrainStepMixin:
         sample_weight: Any,
         loss: tf.Tensor,
         counted: tf.Tensor | None,
+        before: "_StepStart | None" = None,
     ) -> Logs:
         """Tracks the loss, updates the compiled metrics, returns the logs.
 
-        A batch whose loss is not `counted` (a skipped step) stays out of
-        the epoch's mean loss.
+        A batch that is not `counted` (a skipped step) changes no metric and
+        no layer state: what `_begin_train_step` kept is written back.
         """
-        self._track_loss(loss, x, counted)
+        _keras_compat.track_loss(self, loss, x)
+        self._note_loss_tracked()
         logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        if before is not None:
+            self._undo_if_skipped(before, counted)
+            logs = self.get_metrics_result()
         return _keras_compat.reducible_logs(self, logs)
 
-    def _record_skipped_step(
-        self, skipped: tf.Tensor, is_update: tf.Tensor | None = None
+    def _undo_if_skipped(
+        self, before: "_StepStart", counted: tf.Tensor | None
     ) -> None:
-        """Counts a skipped step in the metric and the consecutive counter.
-
-        With gradient accumulation, only update steps (`is_update`) change
-        the consecutive counter.
-        """
-        self.report_metric(
-            "skipped_steps", tf.cast(skipped, tf.float32), reduction="sum"
-        )
-        count = self._consecutive_skipped_steps
-        limit = self.max_consecutive_skipped_steps
-        new_count = tf.where(skipped, count + 1, tf.zeros_like(count))
-        if is_update is not None:
-            new_count = tf.where(is_update, new_count, count)
-        if limit is not None:
-            # Past the limit the count stays put until the host reads it, so
-            # a streak inside one `steps_per_execution` call is not lost.
-            new_count = tf.where(count > limit, count, new_count)
-        count.assign(new_count)
+        """Writes back the kept state when the step does not count."""
+        metrics = _model_state.state_of(self).metrics
+        metrics.release(counted)
+        if counted is None:
+            return
+        for variable, value in zip(before.metric_variables, before.metrics):
+            variable.assign(tf.where(counted, variable.value, value))
+        if before.layer_variables:
+            pipeline.run_if(
+                tf.logical_not(counted),
+                lambda copies: pipeline.assign_variables(
+                    before.layer_variables, copies
+                ),
+                args=(before.layers,),
+            )
 
     def test_step(self, data: Any) -> Logs:
         """Runs one evaluation step: forward pass, loss, metrics.
@@ -567,18 +609,15 @@ class TrainStepMixin:
         loss = _keras_compat.compute_loss(
             self, x, y, y_pred, sample_weight, training=False
         )
-        self._track_loss(loss, x)
+        _keras_compat.track_loss(self, loss, x)
+        self._note_loss_tracked()
         logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         return _keras_compat.reducible_logs(self, logs)
 
-    def _track_loss(
-        self, loss: tf.Tensor, x: Any, counted: tf.Tensor | None = None
-    ) -> None:
-        """Updates Keras' `loss` metric and notes that this step logs it."""
-        _keras_compat.track_loss(self, loss, x, counted=counted)
-        driver, kind = _DRIVERS[-1] if _DRIVERS else (None, None)
-        kinds = self._step_metric_kinds.setdefault("loss", set())
-        kinds.add((id(driver), kind))
+    def _note_loss_tracked(self) -> None:
+        """Notes that the running kind of step logs Keras' `loss`."""
+        metrics = _model_state.state_of(self).metrics
+        metrics.kinds.setdefault("loss", set()).add(metrics.step())
 
     # Metrics reported from inside the step.
 
@@ -597,13 +636,19 @@ class TrainStepMixin:
         `val_<name>` when also reported in `test_step`), and is reset, like
         every Keras metric, at the start of each epoch and of each
         `evaluate()`. A metric reported only in `train_step` does not appear
-        in validation logs, and the other way round.
+        in validation logs, and the other way round. With `skip_nonfinite`,
+        a skipped step updates no metric: its reports are dropped.
 
         When this model is a network inside another custom_fit model whose
         `fit` runs (a GAN's discriminator, updated with `minimize`), the log
         key is prefixed with this model's name: `discriminator_grad_norm`.
         The outer model lists such metrics among its own, so Keras logs and
         resets them.
+
+        The name may not be one that Keras already logs: `loss`, a compiled
+        loss or metric (`accuracy`, `mae`, `<output>_loss`), or an output's
+        name. To log your own loss under `loss`, override `compute_loss`:
+        Keras tracks what it returns.
 
         Args:
             name: String. The log key.
@@ -617,8 +662,8 @@ class TrainStepMixin:
 
         Raises:
             ValueError: If `reduction` is not one of `"mean"` and `"sum"`, if
-                `name` is already the name of another metric of the model,
-                or if `value` is not a scalar.
+                `name` is already the name of another metric or output of
+                the model, or if `value` is not a scalar.
 
         Example:
 
@@ -632,27 +677,27 @@ class TrainStepMixin:
                 return loss
         ```
         """
-        if self._muted_reports:
-            return
-        key = self._log_key(name)
-        metric = self._step_metric(key, reduction)
-        value = _validation.scalar_tensor(value, "The reported metric", name)
-        value = tf.cast(value, tf.float32)
-        if reduction == "sum":
-            # A Sum metric adds every replica's update: count on one only.
-            context = tf.distribute.get_replica_context()
-            if context is not None and context.num_replicas_in_sync > 1:
-                first = tf.equal(context.replica_id_in_sync_group, 0)
-                value = value * tf.cast(first, value.dtype)
-        metric.update_state(value, sample_weight=sample_weight)
-        driver, kind = _DRIVERS[-1] if _DRIVERS else (None, None)
-        self._step_metric_kinds.setdefault(key, set()).add((id(driver), kind))
+        outputs = getattr(self, "output_names", None) or ()
+        if name in outputs:
+            raise ValueError(
+                f"The model already has an output named {name!r}, under "
+                f"which Keras logs its losses and metrics. Received: "
+                f"name={name!r}. Report it under another name."
+            )
+        self._report(name, value, sample_weight, reduction)
 
-    def _log_key(self, name: str) -> str:
-        """Returns `name`, prefixed when another model drives the step."""
-        if _DRIVERS and _DRIVERS[-1][0] is not self:
-            return f"{self.name}_{name}"
-        return name
+    def _report(
+        self,
+        name: str,
+        value: Scalar,
+        sample_weight: Scalar | None = None,
+        reduction: str = "mean",
+        held: bool = True,
+    ) -> None:
+        """`report_metric`; with `held=False` never held for the verdict."""
+        _model_state.state_of(self).metrics.report(
+            self, name, value, sample_weight, reduction, held
+        )
 
     @property
     def metrics(self) -> list[keras.metrics.Metric]:
@@ -664,7 +709,7 @@ class TrainStepMixin:
         return super().metrics + [
             metric
             for model in [self, *self._inner_step_models()]
-            for metric in model._step_metrics.values()
+            for metric in _model_state.state_of(model).metrics.metrics.values()
         ]
 
     def get_metrics_result(self) -> Logs:
@@ -678,19 +723,33 @@ class TrainStepMixin:
 
         Returns:
             A dict of metric name to result.
+
+        Raises:
+            ValueError: If a reported metric has the name of one of the
+                metrics Keras logs (it would replace it).
         """
-        logs = super().get_metrics_result()
-        if not _DRIVERS or _DRIVERS[-1][0] is not self:
+        logs = _step_metrics.results(super().metrics)
+        models = [self, *self._inner_step_models()]
+        reported = [
+            metric
+            for model in models
+            for metric in _model_state.state_of(model).metrics.metrics.values()
+        ]
+        _step_metrics.check_no_clash(logs, [m.name for m in reported])
+        logs.update(_step_metrics.results(reported))
+        logs = _step_metrics.pythonify(logs)
+        metrics = _model_state.state_of(self).metrics
+        if metrics.driver is None or metrics.driver[0] is not self:
             return logs
-        step = (id(self), _DRIVERS[-1][1])
+        step = metrics.step()
         unreported = {
             key
-            for model in [self, *self._inner_step_models()]
-            for key, kinds in model._step_metric_kinds.items()
+            for model in models
+            for key, kinds in _model_state.state_of(model).metrics.kinds.items()
             if step not in kinds
         }
         if getattr(self, "loss", None) is None:
-            if step not in self._step_metric_kinds.get("loss", ()):
+            if step not in metrics.kinds.get("loss", ()):
                 unreported.add("loss")
         return {k: v for k, v in logs.items() if k not in unreported}
 
@@ -704,56 +763,6 @@ class TrainStepMixin:
                 found.append(layer)
             pending.extend(getattr(layer, "layers", []))
         return found
-
-    def _step_metric(self, name: str, reduction: str) -> keras.metrics.Metric:
-        """Returns the metric behind `name`, creating it on first use."""
-        if reduction not in _REDUCTIONS:
-            raise ValueError(
-                f"`reduction` must be one of {_REDUCTIONS}. Received: "
-                f"reduction={reduction!r} for the metric {name!r}. Pass one "
-                "of the allowed values."
-            )
-        metric = self._step_metrics.get(name)
-        if metric is None:
-            if name in self.metrics_names:
-                raise ValueError(
-                    f"The model already has a metric named {name!r}. "
-                    f"Received: name={name!r}. Report it under another name."
-                )
-            metric_class = _METRIC_CLASSES[reduction]
-            # Lift the variables out of the traced step; they are created once.
-            with tf.init_scope():
-                metric = metric_class(name=name)
-            self._step_metrics[name] = metric
-        elif not isinstance(metric, _METRIC_CLASSES[reduction]):
-            raise ValueError(
-                f"The metric {name!r} was first reported with another "
-                f"reduction. Received: reduction={reduction!r}. Use one "
-                "reduction per name."
-            )
-        return metric
-
-    def _maybe_symbolic_build(
-        self, iterator: Any = None, data_batch: Any = None
-    ) -> None:
-        """Keras' pre-`fit` build, with a MultiWorkerMirroredStrategy fix.
-
-        See `_keras_compat.symbolic_build_batch`. The build traces
-        `compute_loss` once, outside any step (in cross-replica context
-        under a strategy); `report_metric` is muted meanwhile, as that
-        trace is not a step.
-        """
-        if iterator is not None and (_keras_compat.is_multi_worker(self)):
-            data_batch = _keras_compat.symbolic_build_batch(self, iterator)
-            iterator = None
-        muted = self._muted_reports
-        self.__dict__["_muted_reports"] = True
-        try:
-            return super()._maybe_symbolic_build(
-                iterator=iterator, data_batch=data_batch
-            )
-        finally:
-            self.__dict__["_muted_reports"] = muted
 
     def make_train_function(self, force: bool = False) -> StepFunction:
         """Builds the train function; adds the skipped-step limit check.
@@ -789,16 +798,24 @@ class TrainStepMixin:
     def _driven(self, step_function: StepFunction, kind: str) -> StepFunction:
         """Wraps `step_function` to mark this model as the running driver.
 
-        Networks inside it that report metrics while it runs (and traces)
+        The mark is set on this model and on every custom_fit model nested
+        in it: networks that report metrics while it runs (and traces)
         prefix them with their names; see `report_metric`.
         """
+        models = [self, *self._inner_step_models()]
 
-        def driven_step_function(iterator: Any) -> Logs:
-            _DRIVERS.append((self, kind))
+        def driven_step_function(*args: Any) -> Any:
+            states = [_model_state.state_of(m) for m in models]
+            registries = [state.metrics for state in states]
+            previous = [registry.driver for registry in registries]
+            for state in states:
+                state.metrics.driver = (self, kind)
+                state.generation += 1
             try:
-                return step_function(iterator)
+                return step_function(*args)
             finally:
-                _DRIVERS.pop()
+                for registry, driver in zip(registries, previous):
+                    registry.driver = driver
 
         return driven_step_function
 
@@ -813,43 +830,22 @@ class TrainStepMixin:
         here adds no synchronisation; XLA would drop an in-graph assertion,
         which is why the check lives on the host.
         """
-        models = self._skip_limited_models()
-        if not models:
-            return train_function
-
-        def checked_train_function(iterator: Any) -> Logs:
-            logs = train_function(iterator)
-            for model in models:
-                model._check_skipped_step_limit(model is not self)
-            return logs
-
-        return checked_train_function
-
-    def _skip_limited_models(self) -> list["TrainStepMixin"]:
-        """Returns this and nested models whose skipped steps are limited."""
-        return [
+        models = [
             model
             for model in [self, *self._inner_step_models()]
             if model.skip_nonfinite and model.max_consecutive_skipped_steps
         ]
+        if not models:
+            return train_function
 
-    def _check_skipped_step_limit(self, nested: bool) -> None:
-        """Raises `RuntimeError` when the consecutive-skip limit is passed."""
-        limit = self.max_consecutive_skipped_steps
-        count = int(self._consecutive_skipped_steps.numpy())
-        if count <= limit:
-            return
-        self._consecutive_skipped_steps.assign(0)
-        where = f" of the network {self.name!r}" if nested else ""
-        raise RuntimeError(
-            f"{count} consecutive training steps{where} had non-finite "
-            "gradients (NaN or Inf) and were skipped, more than "
-            f"`max_consecutive_skipped_steps={limit}`. Training "
-            "stopped. Check the inputs and labels for NaN, lower the "
-            "learning rate, or clip gradients; pass a larger "
-            "`max_consecutive_skipped_steps` (or None) to allow "
-            "longer runs of skipped steps."
-        )
+        def checked_train_function(*args: Any) -> Any:
+            logs = train_function(*args)
+            for model in models:
+                guard = _model_state.state_of(model).guard
+                guard.check_limit(nested=model is not self)
+            return logs
+
+        return checked_train_function
 
     def _warn_about_optimizer_clipping(self, optimizer: Optimizer) -> None:
         """Warns once if the optimizer's own clipping is wrong or redundant."""
@@ -878,9 +874,10 @@ class TrainStepMixin:
 
     def _warn_once(self, key: str, message: str) -> None:
         """Emits `message` as a `UserWarning` once per model and `key`."""
-        if key in self._warned_about:
+        warned = _model_state.state_of(self).warned
+        if key in warned:
             return
-        self._warned_about.add(key)
+        warned.add(key)
         warnings.warn(message, UserWarning, stacklevel=3)
 
     # Serialization.
@@ -920,18 +917,87 @@ class TrainStepMixin:
             The model.
         """
         config = dict(config)
-        names = _options.declared_options(cls)
-        options = {name: config.pop(name) for name in names if name in config}
+        options = _options.pop_options(cls, config)
         model = super().from_config(config, custom_objects=custom_objects)
         model._configure_options(options)
         return model
 
 
-_REDUCTIONS = ("mean", "sum")
-_METRIC_CLASSES = {
-    "mean": _scalar_metrics.ScalarMean,
-    "sum": _scalar_metrics.ScalarSum,
-}
+@dataclasses.dataclass(frozen=True)
+class _Update:
+    """The outcome of one call of the gradient pipeline.
+
+    Attributes:
+        applied: `None` when the update is applied unconditionally, else a
+            boolean scalar tensor: whether this call changed the variables.
+        counted: `None`, or a boolean scalar tensor (with `skip_nonfinite`):
+            whether this batch's own gradients were finite, so that its
+            loss and metrics count in the epoch's figures.
+    """
+
+    applied: tf.Tensor | None
+    counted: tf.Tensor | None
+
+
+@dataclasses.dataclass(frozen=True)
+class _StepStart:
+    """What a step with `skip_nonfinite` keeps until its verdict."""
+
+    layer_variables: list[Variable]
+    layers: list[tf.Tensor]
+    metric_variables: list[Variable]
+    metrics: list[tf.Tensor]
+
+
+def _copies(variables: Sequence[Variable]) -> list[tf.Tensor]:
+    """Returns a copy of each variable's current value."""
+    return [tf.identity(tf.convert_to_tensor(v)) for v in variables]
+
+
+def _check_transformed(
+    gradients: Gradients, transformed: Any, variables: Sequence[Variable]
+) -> None:
+    """Raises if `transform_gradients` returned no gradient list for them.
+
+    Runs at trace time, where lengths and static shapes are known.
+    """
+    if not isinstance(transformed, (list, tuple)):
+        raise ValueError(
+            "`transform_gradients` must return a list of gradients aligned "
+            f"with the variables. Received: {type(transformed).__name__} "
+            f"{transformed!r}. Return the list, e.g. the result of "
+            "`super().transform_gradients(gradients, variables)`."
+        )
+    if len(transformed) != len(variables):
+        missing = [v.path for v in variables[len(transformed) :]]
+        raise ValueError(
+            "`transform_gradients` must return one gradient per variable. "
+            f"Received: {len(transformed)} gradients for {len(variables)} "
+            "variables"
+            + (f"; no gradient for {missing}" if missing else "")
+            + ". Return a list aligned with `variables` (None for a "
+            "variable that has no gradient)."
+        )
+    for before, after, variable in zip(gradients, transformed, variables):
+        if after is None and before is not None:
+            raise ValueError(
+                "`transform_gradients` returned None for the variable "
+                f"{variable.path!r}, which has a gradient: it would not be "
+                "trained. Received: None. Return a gradient (zeros to leave "
+                "it unchanged by the optimizer's step)."
+            )
+        if after is None or isinstance(after, tf.IndexedSlices):
+            continue
+        shape = getattr(after, "shape", None)
+        if shape is None or not tf.TensorShape(shape).is_compatible_with(
+            variable.shape
+        ):
+            raise ValueError(
+                "`transform_gradients` returned a gradient of shape "
+                f"{shape} for the variable {variable.path!r} of shape "
+                f"{tuple(variable.shape)}. Received: {after!r}. Return one "
+                "gradient of the variable's shape per variable."
+            )
 
 
 def _refuse_parameter_server_strategy() -> None:

@@ -18,6 +18,20 @@ class Net(custom_fit.GradientClippingMixin, keras.Model):
     pass
 
 
+class SequentialNet(custom_fit.GradientClippingMixin, keras.Sequential):
+    pass
+
+
+class SubclassedNet(custom_fit.GradientClippingMixin, keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden = keras.layers.Dense(8, name="hidden")
+        self.out = keras.layers.Dense(3, name="out")
+
+    def call(self, x):
+        return self.out(self.hidden(x))
+
+
 @keras.saving.register_keras_serializable(package="gradient_clipping_tests")
 class SavableNet(custom_fit.GradientClippingMixin, keras.Model):
     pass
@@ -507,13 +521,68 @@ class ClippingArgumentsTest(testing.TestCase):
         with self.assertRaisesRegex(ValueError, r"clip_layers='hidden'"):
             testing.mlp(Net, clipnorm=1.0, clip_layers="hidden")
 
-    def test_unknown_layer_name_raises_at_fit(self):
-        """A name missing from model.layers is refused, listing the names."""
-        model = testing.mlp(Net, clipnorm=1.0, clip_layers=["hiden"])
+    @parameterized.named_parameters(
+        ("functional", lambda **kw: testing.mlp(Net, **kw)),
+        (
+            "sequential",
+            lambda **kw: SequentialNet(
+                [keras.Input((4,)), keras.layers.Dense(3, name="hidden")], **kw
+            ),
+        ),
+    )
+    def test_unknown_layer_name_raises_at_construction(self, make):
+        """Functional and Sequential models know their layers when built:
+        a missing name is refused there, listing the layer names and not
+        the model's own name."""
+        with self.assertRaisesRegex(
+            ValueError, r"\['hiden'\].*'hidden'"
+        ) as raised:
+            make(clipnorm=1.0, clip_layers=["hiden"], name="mynet")
+        self.assertNotIn("mynet", str(raised.exception))
+
+    def test_unknown_layer_name_of_subclassed_model_raises_at_fit(self):
+        """A subclassed model's layers are known at the first step only."""
+        model = SubclassedNet(clipnorm=1.0, clip_layers=["hiden"])
         model.compile(optimizer="sgd", loss=testing.sparse_crossentropy())
         x, y = testing.classification_data(samples=8)
         with self.assertRaisesRegex(ValueError, r"\['hiden'\].*'hidden'"):
             model.fit(x, y, verbose=0)
+
+    @parameterized.named_parameters(
+        ("clip_layers", dict(clip_layers=["hidden"]), "clip_layers"),
+        ("no_clip_layers", dict(no_clip_layers=["hidden"]), "no_clip_layers"),
+        ("eps", dict(adaptive_clipping_eps=1e-2), "adaptive_clipping_eps"),
+        (
+            "eps_with_other_clipping",
+            dict(adaptive_clipping_eps=1e-2, clipnorm=1.0),
+            "adaptive_clipping_eps",
+        ),
+    )
+    def test_option_without_the_option_it_needs_raises(self, options, name):
+        """A selection or eps that would do nothing is refused, naming what
+        it needs."""
+        with self.assertRaisesRegex(
+            ValueError, f"`{name}` has no effect without"
+        ):
+            testing.mlp(Net, **options)
+
+    @parameterized.product(
+        argument=("clipnorm", "global_clipnorm", "layer_clipnorm", "clipvalue"),
+        value=(1e39, 1e-46),
+    )
+    def test_bound_outside_float32_raises(self, argument, value):
+        """Bounds finite as Python floats but infinite or zero in float32
+        are refused (they made NaN weights)."""
+        with self.assertRaisesRegex(
+            ValueError,
+            f"`{argument}` must be finite and greater than 0 in float32",
+        ):
+            testing.mlp(Net, **{argument: value})
+
+    def test_huge_integer_bound_raises_value_error(self):
+        """10**400 is refused by name, not with an OverflowError."""
+        with self.assertRaisesRegex(ValueError, "Received: clipnorm=1000"):
+            testing.mlp(Net, clipnorm=10**400)
 
     def test_double_clipping_warns_once(self):
         """A clipping optimizer plus the mixin warns once, naming both."""

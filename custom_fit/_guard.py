@@ -1,0 +1,176 @@
+"""The non-finite guard of `skip_nonfinite`: decide, then count.
+
+`NonFiniteGuard.decide` looks at the true and the transformed gradients of
+an update and returns a `Verdict`; the step applies the update only when
+the verdict is finite, and `NonFiniteGuard.record` counts the skip:
+`logs["skipped_steps"]` and the consecutive-skip counter that
+`max_consecutive_skipped_steps` limits, checked on the host between calls
+of the train function (`check_limit`).
+
+Under a dynamic loss scale (mixed precision's `LossScaleOptimizer`), the
+first steps of a run are expected to overflow: the scale starts at 2**15
+and halves at every non-finite step until the scaled gradients fit. Such a
+step is skipped and counted in `skipped_steps`, but it does not count
+towards `max_consecutive_skipped_steps` while the scale is above 1, since
+the scale explains the overflow. At a scale of 1 or less the scaled
+gradients are no larger than the true ones, so a non-finite step there
+has another cause, and counts.
+"""
+
+import dataclasses
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from custom_fit import clipping
+from custom_fit import pipeline
+from custom_fit._types import Gradients
+from custom_fit._types import Optimizer
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """What the guard decided about one update.
+
+    Attributes:
+        finite: Boolean scalar tensor, true when the update may be
+            applied; `None` when nothing is checked (the update is applied
+            unconditionally).
+        explained: Boolean scalar tensor, true when a dynamic loss scale
+            above 1 explains a non-finite update; `None` without one.
+    """
+
+    finite: tf.Tensor | None
+    explained: tf.Tensor | None
+
+
+class NonFiniteGuard:
+    """Decides whether an update is applied and counts the skipped ones.
+
+    Args:
+        model: The custom_fit model whose `skip_nonfinite` and
+            `max_consecutive_skipped_steps` options apply.
+    """
+
+    def __init__(self, model: Any) -> None:
+        self._model = model
+        self.counter: tf.Variable | None = None
+        if model.skip_nonfinite:
+            self.counter = tf.Variable(
+                0,
+                dtype=tf.int64,
+                trainable=False,
+                aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+                name="consecutive_skipped_steps",
+            )
+
+    @property
+    def active(self) -> bool:
+        """Whether `skip_nonfinite` is on."""
+        return bool(self._model.skip_nonfinite)
+
+    def batch_is_finite(self, gradients: Gradients) -> tf.Tensor | None:
+        """Returns whether a batch's own true gradients are finite.
+
+        Args:
+            gradients: The true gradients of the batch.
+
+        Returns:
+            A boolean scalar tensor, or `None` when the guard is off.
+        """
+        return clipping.all_finite(gradients) if self.active else None
+
+    def decide(
+        self,
+        gradients: Gradients,
+        transformed: Gradients,
+        optimizer: Optimizer,
+    ) -> Verdict:
+        """Returns the verdict on an update.
+
+        Args:
+            gradients: The true gradients of the update (before the
+                transforms, which may hide an Inf: `clipvalue`).
+            transformed: The gradients after `transform_gradients` (a user
+                transform may make a NaN).
+            optimizer: The optimizer of the update.
+
+        Returns:
+            A `Verdict`. With a `LossScaleOptimizer` and the guard off,
+            `finite` is still given: the optimizer must see a non-finite
+            step (to lower its scale) even after clipping.
+        """
+        scale_optimizer = isinstance(
+            optimizer, keras.optimizers.LossScaleOptimizer
+        )
+        if not (self.active or scale_optimizer):
+            return Verdict(None, None)
+        finite = clipping.all_finite(gradients)
+        if self.active:
+            finite = tf.logical_and(finite, clipping.all_finite(transformed))
+        explained = None
+        if scale_optimizer:
+            explained = tf.greater(
+                tf.cast(pipeline.loss_scale(optimizer), tf.float32), 1.0
+            )
+        return Verdict(finite, explained)
+
+    def record(self, verdict: Verdict, is_update: tf.Tensor | None) -> None:
+        """Counts a skipped update in `skipped_steps` and the streak counter.
+
+        Args:
+            verdict: The verdict of `decide`.
+            is_update: Boolean scalar tensor, true on the steps of gradient
+                accumulation that update; `None` without accumulation.
+        """
+        if not self.active:
+            return
+        skipped = tf.logical_not(verdict.finite)
+        if is_update is not None:
+            skipped = tf.logical_and(is_update, skipped)
+        self._model._report(
+            "skipped_steps",
+            tf.cast(skipped, tf.float32),
+            reduction="sum",
+            held=False,
+        )
+        count = self.counter
+        counts = skipped
+        if verdict.explained is not None:
+            counts = tf.logical_and(skipped, tf.logical_not(verdict.explained))
+        new_count = tf.where(
+            counts, count + 1, tf.where(skipped, count, tf.zeros_like(count))
+        )
+        if is_update is not None:
+            new_count = tf.where(is_update, new_count, count)
+        limit = self._model.max_consecutive_skipped_steps
+        if limit is not None:
+            # Past the limit the count stays put until the host reads it, so
+            # a streak inside one `steps_per_execution` call is not lost.
+            new_count = tf.where(count > limit, count, new_count)
+        count.assign(new_count)
+
+    def check_limit(self, nested: bool) -> None:
+        """Raises `RuntimeError` when the consecutive-skip limit is passed.
+
+        Args:
+            nested: Bool. The model is a network inside the fitted one.
+        """
+        limit = self._model.max_consecutive_skipped_steps
+        if self.counter is None or limit is None:
+            return
+        count = int(self.counter.numpy())
+        if count <= limit:
+            return
+        self.counter.assign(0)
+        where = f" of the network {self._model.name!r}" if nested else ""
+        raise RuntimeError(
+            f"{count} consecutive training steps{where} had non-finite "
+            "gradients (NaN or Inf) and were skipped, more than "
+            f"`max_consecutive_skipped_steps={limit}`. Training "
+            "stopped. Check the inputs and labels for NaN, lower the "
+            "learning rate, or clip gradients; pass a larger "
+            "`max_consecutive_skipped_steps` (or None) to allow "
+            "longer runs of skipped steps."
+        )

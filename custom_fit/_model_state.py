@@ -1,0 +1,59 @@
+"""custom_fit's plain state of one model, kept out of Keras' tracking.
+
+Keras tracks every attribute set on a model (layers, variables, metrics)
+and refuses new tracked state once a subclassed model is built. What the
+mixins keep beside the options (reported metrics, the guard's counter,
+accumulators, inspection figures, warnings given) lives in one
+`ModelState` object, stored once in the model's `__dict__`.
+"""
+
+import threading
+from typing import Any
+
+from custom_fit import _step_metrics
+
+
+class ModelState:
+    """The mixins' state of one model.
+
+    Attributes:
+        options: Dict of option name to its validated value.
+        metrics: The `report_metric` registry (`_step_metrics.StepMetrics`).
+        guard: The non-finite guard (`_guard.NonFiniteGuard`), made when
+            the options are configured.
+        accumulators: Dict of variable-set key to `GradientAccumulator`.
+        inspection: Dict of variable-set key to inspection state.
+        inspection_key: Key of the last inspected variable set.
+        warned: Set of keys of the warnings already given.
+        generation: Integer, moved on by every call of a step function
+            that runs this model, so that per-step marks of a trace can be
+            told from those of an earlier one.
+        local: Per-thread flags of the step being traced (MirroredStrategy
+            traces each replica in a thread of its own).
+    """
+
+    def __init__(self) -> None:
+        self.options: dict[str, Any] = {}
+        self.metrics = _step_metrics.StepMetrics()
+        self.guard: Any = None
+        self.accumulators: dict[tuple[int, ...], Any] = {}
+        self.inspection: dict[tuple[int, ...], Any] = {}
+        self.inspection_key: tuple[int, ...] | None = None
+        self.warned: set[str] = set()
+        self.generation = 0
+        self.local = threading.local()
+
+
+def state_of(model: Any) -> ModelState:
+    """Returns the `ModelState` of `model`, made on first use.
+
+    Args:
+        model: A custom_fit model.
+
+    Returns:
+        Its `ModelState`.
+    """
+    state = model.__dict__.get("_custom_fit")
+    if state is None:
+        state = model.__dict__["_custom_fit"] = ModelState()
+    return state

@@ -1,0 +1,221 @@
+"""The metrics a model reports from inside its steps (`report_metric`).
+
+One registry per model holds the Keras metrics behind `report_metric`,
+created at the first report of a name, and knows:
+
+- which model drives the running step. A network updated inside another
+  model's step (a GAN's discriminator) logs under its own name,
+  `discriminator_grad_norm`. The driving model marks itself and the
+  custom_fit models nested in it before its step function runs; the mark is
+  an attribute of each model, not of the process or of a thread, so that
+  models fitted in parallel threads keep their own names, and so that
+  MirroredStrategy's replica threads see it;
+- which kinds of step ("train", "test") of which driver report each name,
+  so that a step returns only its own figures;
+- which reports wait for the step's verdict. With `skip_nonfinite`, a
+  step whose gradients are not finite updates no metric; reports made
+  during such a step are held and added with weight 0 when it is skipped.
+  The buffer is per thread, since MirroredStrategy traces each replica in a
+  thread of its own.
+"""
+
+import threading
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from custom_fit import _scalar_metrics
+from custom_fit import _validation
+
+REDUCTIONS = ("mean", "sum")
+_METRIC_CLASSES = {
+    "mean": _scalar_metrics.ScalarMean,
+    "sum": _scalar_metrics.ScalarSum,
+}
+
+
+class StepMetrics:
+    """The reported metrics of one model, keyed by log name.
+
+    Attributes:
+        metrics: Dict of log key to `keras.metrics.Metric`.
+        kinds: Dict of log key to the set of `(id(driver), kind)` steps
+            that report it.
+        driver: `(model, kind)` of the step function running now, or
+            `None` outside `fit`, `evaluate` and their kin.
+        muted: Bool. When true, reports are dropped (a trace that is not a
+            step, such as Keras' build before `fit`).
+    """
+
+    def __init__(self) -> None:
+        self.metrics: dict[str, keras.metrics.Metric] = {}
+        self.kinds: dict[str, set[tuple[int, str | None]]] = {}
+        self.driver: tuple[Any, str] | None = None
+        self.muted = False
+        self._held = threading.local()
+
+    def step(self) -> tuple[int, str | None]:
+        """Returns `(id(driver), kind)` of the running step."""
+        if self.driver is None:
+            return (0, None)
+        return (id(self.driver[0]), self.driver[1])
+
+    def key(self, model: Any, name: str) -> str:
+        """Returns the log key of `name`, prefixed when another model drives."""
+        if self.driver is not None and self.driver[0] is not model:
+            return f"{model.name}_{name}"
+        return name
+
+    def report(
+        self,
+        model: Any,
+        name: str,
+        value: Any,
+        sample_weight: Any = None,
+        reduction: str = "mean",
+        held: bool = True,
+    ) -> None:
+        """Updates (or holds) the metric `name` of `model` with `value`.
+
+        Args:
+            model: The reporting model.
+            name: String, the metric's name before any prefix.
+            value: Numeric scalar.
+            sample_weight: Optional scalar weight.
+            reduction: One of `REDUCTIONS`.
+            held: Bool. When false the update is never held (the count of
+                skipped steps itself).
+        """
+        if self.muted:
+            return
+        key = self.key(model, name)
+        metric = self._metric(key, reduction)
+        value = _validation.scalar_tensor(value, "The reported metric", name)
+        value = tf.cast(value, tf.float32)
+        if reduction == "sum":
+            # A Sum metric adds every replica's update: count on one only.
+            context = tf.distribute.get_replica_context()
+            if context is not None and context.num_replicas_in_sync > 1:
+                first = tf.equal(context.replica_id_in_sync_group, 0)
+                value = value * tf.cast(first, value.dtype)
+        pending = getattr(self._held, "updates", None)
+        if held and pending is not None:
+            pending.append((metric, value, sample_weight))
+        else:
+            metric.update_state(value, sample_weight=sample_weight)
+        self.kinds.setdefault(key, set()).add(self.step())
+
+    def hold(self) -> None:
+        """Starts holding this thread's reports until `release`."""
+        self._held.updates = []
+
+    def release(self, counted: tf.Tensor | None) -> None:
+        """Applies the held reports; with weight 0 unless `counted`.
+
+        Args:
+            counted: Boolean scalar tensor, or `None` (count them).
+        """
+        pending = getattr(self._held, "updates", None) or []
+        self._held.updates = None
+        for metric, value, weight in pending:
+            if counted is not None:
+                keep = tf.cast(counted, tf.float32)
+                value = tf.where(counted, value, tf.zeros_like(value))
+                weight = (
+                    keep
+                    if weight is None
+                    else keep * tf.cast(weight, tf.float32)
+                )
+            metric.update_state(value, sample_weight=weight)
+
+    def _metric(self, key: str, reduction: str) -> keras.metrics.Metric:
+        """Returns the metric behind `key`, creating it on first use."""
+        if reduction not in REDUCTIONS:
+            raise ValueError(
+                f"`reduction` must be one of {REDUCTIONS}. Received: "
+                f"reduction={reduction!r} for the metric {key!r}. Pass one "
+                "of the allowed values."
+            )
+        metric = self.metrics.get(key)
+        if metric is None:
+            if key == "loss":
+                raise ValueError(
+                    "The model already has a metric named 'loss'. Received: "
+                    "name='loss'. To log your own loss under `loss`, "
+                    "override `compute_loss` (Keras tracks what it returns); "
+                    "report other figures under other names."
+                )
+            # Lift the variables out of the traced step; they are made once.
+            with tf.init_scope():
+                metric = _METRIC_CLASSES[reduction](name=key)
+            self.metrics[key] = metric
+        elif not isinstance(metric, _METRIC_CLASSES[reduction]):
+            raise ValueError(
+                f"The metric {key!r} was first reported with another "
+                f"reduction. Received: reduction={reduction!r}. Use one "
+                "reduction per name."
+            )
+        return metric
+
+
+def check_no_clash(keras_logs: dict[str, Any], reported: list[str]) -> None:
+    """Raises if a reported metric has the name of one of Keras' logs.
+
+    Keras' `get_metrics_result` would let the later entry replace the
+    earlier one: the compiled metric would be logged with the reported
+    value, in training, validation and `evaluate()` alike.
+
+    Args:
+        keras_logs: The results of the model's Keras metrics (loss,
+            compiled losses and metrics, per output).
+        reported: The log keys of the reported metrics.
+
+    Raises:
+        ValueError: Naming the clashing key.
+    """
+    for key in reported:
+        if key in keras_logs:
+            raise ValueError(
+                f"The model already has a metric named {key!r} (a compiled "
+                "loss, metric or output logs under it). Received: "
+                f"name={key!r} in `report_metric` (or a penalty term of that "
+                "name). Report it under another name."
+            )
+
+
+def results(metrics: list[keras.metrics.Metric]) -> dict[str, Any]:
+    """Returns the results of `metrics` as Keras' `get_metrics_result` does.
+
+    A metric whose result is a dict (Keras' compiled metrics container)
+    contributes its entries; any other, its result under its name.
+    """
+    logs: dict[str, Any] = {}
+    for metric in metrics:
+        result = metric.result()
+        if isinstance(result, dict):
+            logs.update(result)
+        else:
+            logs[metric.name] = result
+    return logs
+
+
+def pythonify(logs: dict[str, Any]) -> dict[str, Any]:
+    """Returns `logs` with each value a Python float where it converts.
+
+    As Keras does for the logs it returns: concrete values become floats,
+    symbolic ones (inside a traced step) stay as they are.
+    """
+    converted: dict[str, Any] = {}
+    for key, value in sorted(logs.items()):
+        if isinstance(value, dict):
+            converted.update(pythonify(value))
+            continue
+        try:
+            if keras.ops.is_tensor(value):
+                value = keras.ops.convert_to_numpy(value)
+            value = float(value)
+        except Exception:  # noqa: BLE001  (a symbolic tensor stays as is)
+            pass
+        converted[key] = value
+    return converted

@@ -53,6 +53,19 @@ class ClippingTest(testing.TestCase):
         self.assertTrue(np.all(np.isnan(dense(grads[0]))))
         self.assertTrue(np.all(np.isnan(dense(grads[1]))))
 
+    @parameterized.parameters(
+        clipping.clip_by_norm,
+        clipping.clip_by_global_norm,
+        lambda g, bound: clipping.clip_by_group_norm(
+            g, ["a"], bound
+        ),
+    )
+    def test_zero_gradient_with_tiny_bound_stays_zero(self, clip):
+        """A zero norm (all-zero sample weights) never divides 0 by 0, even
+        with a bound that is 0 in float32."""
+        clipped = clip([tf.zeros(3)], 1e-46)
+        self.assertAllClose(clipped[0], np.zeros(3), atol=0)
+
     def test_clip_by_value_hand_computed(self):
         """Entries are clipped to [-v, v]; None passes through."""
         grads = clipping.clip_by_value(

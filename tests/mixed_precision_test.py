@@ -93,3 +93,41 @@ class MixedPrecisionTest(testing.TestCase):
             float(model.optimizer.dynamic_scale.numpy()), scale / 2
         )
         self.assertEqual(history.history["skipped_steps"], [1.0])
+
+    def test_loss_scale_warm_up_does_not_stop_training(self):
+        """Clean data whose first steps overflow the initial loss scale
+        (2**15) trains on with max_consecutive_skipped_steps=3: the scale's
+        own overflow steps are skipped but not counted as a streak."""
+        keras.mixed_precision.set_global_policy("mixed_float16")
+        try:
+            model = testing.mlp(
+                Net, skip_nonfinite=True, max_consecutive_skipped_steps=3
+            )
+            model.compile(optimizer=keras.optimizers.SGD(1e-4), loss="mse")
+            x, _ = testing.classification_data(samples=80)
+            y = np.full((80, 3), 300.0, "float32")  # gradients near 1e3
+            history = model.fit(x, y, batch_size=8, verbose=0, shuffle=False)
+        finally:
+            keras.mixed_precision.set_global_policy("float32")
+        self.assertGreater(history.history["skipped_steps"][0], 3)
+        self.assertLess(history.history["skipped_steps"][0], 10)
+
+    def test_persistent_nan_still_stops_under_a_loss_scale(self):
+        """Once the scale cannot explain it (at 1 or below), a streak of
+        non-finite steps counts and stops training."""
+        keras.mixed_precision.set_global_policy("mixed_float16")
+        try:
+            model = testing.mlp(
+                Net, skip_nonfinite=True, max_consecutive_skipped_steps=3
+            )
+            model.compile(optimizer="sgd", loss=testing.sparse_crossentropy())
+            x, y = testing.classification_data(samples=8)
+            x[:] = np.nan
+            with self.assertRaisesRegex(RuntimeError, "4 consecutive"):
+                model.fit(x, y, batch_size=8, epochs=40, verbose=0)
+            # 2**15 halves 15 times to 1, where the streak starts counting.
+            self.assertLessEqual(
+                float(model.optimizer.dynamic_scale.numpy()), 1.0
+            )
+        finally:
+            keras.mixed_precision.set_global_policy("float32")

@@ -112,3 +112,104 @@ class ReportMetricTest(testing.TestCase):
         model.report_metric("c", 1.0)
         with self.assertRaisesRegex(ValueError, "another reduction"):
             model.report_metric("c", 1.0, reduction="sum")
+
+
+class Echo(custom_fit.TrainStepMixin, keras.Model):
+    """Reports a constant under a name chosen per test."""
+
+    reported_name = "mae"
+
+    def compute_loss(
+        self, x=None, y=None, y_pred=None, sample_weight=None, training=True
+    ):
+        loss = super().compute_loss(
+            x, y, y_pred, sample_weight, training=training
+        )
+        self.report_metric(self.reported_name, 123.0)
+        return loss
+
+
+class PenaltyNamedMse(custom_fit.RegularizationMixin, keras.Model):
+    def regularization_losses(self, x, y, y_pred):
+        return {"mse": 0.0 * tf.reduce_mean(y_pred)}
+
+
+class InspectedNet(custom_fit.GradientInspectionMixin, keras.Model):
+    """Waits for the other thread while its step is traced."""
+
+    barrier = None
+
+    def forward_pass(self, x, training):
+        if self.barrier is not None:
+            self.barrier.wait(timeout=60)
+        return super().forward_pass(x, training)
+
+
+class NameClashTest(testing.TestCase):
+    def test_compiled_metric_name_is_refused(self):
+        """report_metric("mae") with compile(metrics=["mae"]) raises instead
+        of logging 123 as the compiled mae."""
+        x, y = testing.classification_data(samples=16)
+        model = testing.mlp(Echo)
+        model.compile(optimizer="sgd", loss="mse", metrics=["mae"])
+        with self.assertRaisesRegex(ValueError, "named 'mae'"):
+            model.fit(x, y.astype("float32")[:, None], verbose=0)
+
+    def test_penalty_term_with_a_compiled_metric_name_is_refused(self):
+        """A regularization term named like a compiled metric raises."""
+        x, y = testing.classification_data(samples=16)
+        model = testing.mlp(PenaltyNamedMse)
+        model.compile(optimizer="sgd", loss="mae", metrics=["mse"])
+        with self.assertRaisesRegex(ValueError, "named 'mse'"):
+            model.fit(x, y.astype("float32")[:, None], verbose=0)
+
+    def test_output_loss_name_and_output_name_are_refused(self):
+        """Per-output loss keys and output names of a multi-output model."""
+        inputs = keras.Input((4,))
+        outputs = {
+            "a": keras.layers.Dense(1, name="a")(inputs),
+            "b": keras.layers.Dense(1, name="b")(inputs),
+        }
+        model = Echo(inputs, outputs)
+        model.reported_name = "a_loss"
+        model.compile(optimizer="sgd", loss={"a": "mse", "b": "mse"})
+        x = np.zeros((8, 4), "float32")
+        y = {"a": np.zeros((8, 1)), "b": np.zeros((8, 1))}
+        with self.assertRaisesRegex(ValueError, "named 'a_loss'"):
+            model.fit(x, y, verbose=0)
+        with self.assertRaisesRegex(ValueError, "output named 'b'"):
+            model.report_metric("b", 1.0)
+
+
+class ThreadTest(testing.TestCase):
+    def test_models_fitted_in_parallel_threads_keep_their_names(self):
+        """Two models traced at the same time in two threads each log
+        grad_norm, not the other's prefixed name."""
+        import threading
+
+        barrier = threading.Barrier(2)
+        x, y = testing.classification_data(samples=16)
+        histories, errors = {}, []
+
+        def train(name):
+            try:
+                model = testing.mlp(InspectedNet)
+                model.barrier = barrier
+                model.compile(
+                    optimizer="sgd", loss=testing.sparse_crossentropy()
+                )
+                histories[name] = model.fit(x, y, verbose=0).history
+            except Exception as error:  # noqa: BLE001
+                errors.append(error)
+                barrier.abort()
+
+        threads = [
+            threading.Thread(target=train, args=(name,)) for name in "ab"
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        self.assertEqual(errors, [])
+        for history in histories.values():
+            self.assertEqual(sorted(history), ["grad_norm", "loss"])

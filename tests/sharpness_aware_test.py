@@ -98,6 +98,16 @@ class SharpnessAwareTest(testing.TestCase):
             models.append(model)
         self.assertWeightsClose(*models, atol=2e-6)
 
+    def test_no_trainable_weights_warns_like_keras(self):
+        """A frozen SAM model warns as Keras does, and its step runs."""
+        model = testing.mlp(SAMNet)
+        model.trainable = False
+        model.compile(optimizer="sgd", loss=testing.sparse_crossentropy())
+        x, y = testing.classification_data(samples=8)
+        with self.assertWarnsRegex(UserWarning, "any trainable weights"):
+            history = model.fit(x, y, verbose=0).history
+        self.assertIn("loss", history)
+
     @parameterized.parameters(0.0, -0.1, float("nan"), None, "0.05")
     def test_invalid_rho_raises(self, value):
         with self.assertRaisesRegex(ValueError, r"sam_rho"):

@@ -181,3 +181,91 @@ class SkipNonfiniteTest(testing.TestCase):
         """Bad values are refused at construction, naming the argument."""
         with self.assertRaisesRegex(ValueError, message):
             testing.mlp(Net, **{name: value})
+
+
+class Reporting(custom_fit.GradientInspectionMixin, keras.Model):
+    """Inspected (reports grad_norm) and reports its own figure."""
+
+    def compute_loss(
+        self, x=None, y=None, y_pred=None, sample_weight=None, training=True
+    ):
+        loss = super().compute_loss(
+            x, y, y_pred, sample_weight, training=training
+        )
+        self.report_metric("prediction_mean", tf.reduce_mean(y_pred))
+        return loss
+
+
+class SkippedStepMetricsTest(testing.TestCase):
+    @parameterized.named_parameters(*testing.EXECUTION_MODES)
+    def test_skipped_step_updates_no_metric(self, mode):
+        """One clean and one NaN batch log the metrics of the clean batch
+        alone: accuracy, reported figures and grad_norm are not touched by
+        the NaN predictions."""
+        x, y, x_clean, y_clean = batches_with_nan(batches=2, bad_batch=1)
+        model = compiled(
+            testing.mlp(Reporting, skip_nonfinite=True),
+            metrics=["accuracy"],
+            **mode,
+        )
+        history = model.fit(
+            x, y, batch_size=8, verbose=0, shuffle=False
+        ).history
+        oracle = compiled(testing.mlp(Reporting), metrics=["accuracy"])
+        expected = oracle.fit(
+            x_clean, y_clean, batch_size=8, verbose=0, shuffle=False
+        ).history
+        self.assertEqual(history["skipped_steps"], [1.0])
+        for key in ("accuracy", "loss", "grad_norm", "prediction_mean"):
+            self.assertAllClose(history[key], expected[key], rtol=1e-5)
+
+    def test_skipped_step_leaves_per_output_losses_alone(self):
+        """Keras' per-output loss metrics skip the NaN batch too."""
+
+        def two_outputs(**options):
+            inputs = keras.Input((4,))
+            outputs = {
+                name: keras.layers.Dense(
+                    1, name=name, kernel_initializer="ones"
+                )(inputs)
+                for name in "ab"
+            }
+            return Net(inputs, outputs, **options)
+
+        x, _, x_clean, _ = batches_with_nan(batches=2, bad_batch=1)
+        histories = []
+        for model_x, model in (
+            (x, two_outputs(skip_nonfinite=True)),
+            (x_clean, two_outputs()),
+        ):
+            model.compile(optimizer="sgd", loss={"a": "mse", "b": "mse"})
+            y = {
+                "a": np.ones((len(model_x), 1)),
+                "b": np.ones((len(model_x), 1)),
+            }
+            histories.append(
+                model.fit(model_x, y, batch_size=8, verbose=0, shuffle=False)
+            )
+        for key in ("a_loss", "b_loss", "loss"):
+            self.assertAllClose(
+                histories[0].history[key], histories[1].history[key]
+            )
+
+    def test_skipped_step_metrics_under_mirrored_strategy(self):
+        """Two replicas: the NaN half-batch skips the step on both, and no
+        metric counts it."""
+        x, y, x_clean, y_clean = batches_with_nan(batch=16, batches=2)
+        with testing.mirrored_strategy().scope():
+            model = compiled(
+                testing.mlp(Reporting, skip_nonfinite=True),
+                metrics=["accuracy"],
+            )
+        history = model.fit(
+            x, y, batch_size=16, verbose=0, shuffle=False
+        ).history
+        oracle = compiled(testing.mlp(Reporting), metrics=["accuracy"])
+        expected = oracle.fit(
+            x_clean, y_clean, batch_size=16, verbose=0, shuffle=False
+        ).history
+        for key in ("accuracy", "loss", "grad_norm", "prediction_mean"):
+            self.assertAllClose(history[key], expected[key], rtol=1e-5)

@@ -408,3 +408,46 @@ class HookOrderTest(testing.TestCase):
         self.assertAllClose(
             double_first.transform_gradients(zeros, [None]), [[1.0, 1.0]]
         )
+
+
+class Transform(custom_fit.TrainStepMixin, keras.Model):
+    """Returns what `broken` makes of the gradients."""
+
+    broken = staticmethod(lambda gradients: gradients)
+
+    def transform_gradients(self, gradients, variables):
+        return self.broken(super().transform_gradients(gradients, variables))
+
+
+class TransformCheckTest(testing.TestCase):
+    @parameterized.named_parameters(
+        (
+            "one_too_few",
+            lambda gs: gs[:-1],
+            r"one gradient per variable.*3 gradients for 4 variables.*"
+            r"no gradient for \['output/bias'\]",
+        ),
+        ("one_too_many", lambda gs: gs + gs[:1], "5 gradients for 4"),
+        ("none_list", lambda gs: None, "must return a list.*NoneType"),
+        (
+            "none_entry",
+            lambda gs: [None] + gs[1:],
+            "returned None for the variable 'hidden/kernel'",
+        ),
+        (
+            "misshaped",
+            lambda gs: [tf.reshape(gs[0], [-1])] + gs[1:],
+            r"shape \(32,\) for the variable 'hidden/kernel' of shape \(4, 8\)",
+        ),
+    )
+    def test_bad_transform_output_is_refused(self, broken, message):
+        """A transform that drops, adds, misshapes or returns no gradients
+        raises at trace time, naming the hook and the variable."""
+        model = testing.mlp(Transform)
+        model.broken = broken
+        model.compile(optimizer="sgd", loss=testing.sparse_crossentropy())
+        x, y = testing.classification_data(samples=8)
+        with self.assertRaisesRegex(
+            ValueError, "`transform_gradients`.*" + message
+        ):
+            model.fit(x, y, verbose=0)

@@ -2,6 +2,7 @@
 
 import dataclasses
 import warnings
+from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
 from typing import TypeVar
@@ -280,8 +281,8 @@ class TrainStepMixin(_keras_compat.PrivateOverrides):
 
     def minimize(
         self,
-        loss: tf.Tensor,
-        tape: tf.GradientTape,
+        loss: tf.Tensor | Callable[[], tf.Tensor],
+        tape: tf.GradientTape | None = None,
         variables: Sequence[Variable] | None = None,
         optimizer: Optimizer | None = None,
         *,
@@ -300,8 +301,19 @@ class TrainStepMixin(_keras_compat.PrivateOverrides):
         with that network's optimizer:
 
         ```python
-        self.discriminator.minimize(d_loss, d_tape, optimizer=self.d_optimizer)
+        def discriminator_loss():
+            ...  # forward passes, written with keras.ops
+            return d_loss
+
+        self.discriminator.minimize(
+            discriminator_loss, optimizer=self.d_optimizer
+        )
         ```
+
+        The loss is given as a function of no arguments, which `minimize`
+        differentiates with respect to `variables`; on TensorFlow it may
+        also be a loss already recorded on a tape,
+        `minimize(d_loss, d_tape, ...)`.
 
         Metrics that the network's hooks report (`grad_norm`, ...) are then
         logged under the network's name, `discriminator_grad_norm`, by the
@@ -319,13 +331,15 @@ class TrainStepMixin(_keras_compat.PrivateOverrides):
         `tf.distribute`).
 
         Args:
-            loss: Scalar tensor recorded by `tape`, as Keras' losses
-                compute it: a mean over this replica's batch which, under
-                `tf.distribute`, Keras' loss objects and `compute_loss`
-                divide by the replica count. Not loss-scaled: this method
-                calls `optimizer.scale_loss` itself.
-            tape: The `tf.GradientTape` that recorded `loss` (it may still
-                be recording, or have stopped).
+            loss: A function of no arguments returning the scalar loss, or
+                (TensorFlow) a scalar tensor recorded by `tape`. The loss is
+                as Keras' losses compute it: a mean over this replica's
+                batch which, under `tf.distribute`, Keras' loss objects and
+                `compute_loss` divide by the replica count. Not loss-scaled:
+                this method calls `optimizer.scale_loss` itself.
+            tape: With a loss tensor, the `tf.GradientTape` that recorded it
+                (it may still be recording, or have stopped). `None` with a
+                loss function.
             variables: List of the variables to update. Defaults to
                 `self.trainable_variables`.
             optimizer: The optimizer to update them with. Defaults to
@@ -343,11 +357,28 @@ class TrainStepMixin(_keras_compat.PrivateOverrides):
             micro-batch of gradient accumulation).
 
         Raises:
-            ValueError: If there is no optimizer, the optimizer has its
-                own `gradient_accumulation_steps`, `penalty_inputs` is
+            ValueError: If `loss` is a tensor without its tape or a
+                function with one, if there is no optimizer, the optimizer
+                has its own `gradient_accumulation_steps`, `penalty_inputs` is
                 missing or has no use, or `transform_gradients` returns a
                 list that does not match the variables.
         """
+        if callable(loss):
+            if tape is not None:
+                raise ValueError(
+                    "`minimize` takes a loss function, or a loss tensor and "
+                    "the tape that recorded it. Received: a function and "
+                    f"tape={tape!r}. Leave `tape` out with a loss function."
+                )
+            loss_function = loss
+            with tf.GradientTape() as tape:
+                loss = loss_function()
+        elif tape is None:
+            raise ValueError(
+                "A loss tensor needs the tape that recorded it. Received: "
+                "tape=None. Pass the tape, or pass a function of no "
+                "arguments that computes the loss."
+            )
         return self._minimize(
             loss, tape, variables, optimizer, penalty_inputs
         ).applied

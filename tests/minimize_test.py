@@ -260,3 +260,34 @@ class MinimizeTest(testing.TestCase):
                 weights, [g.numpy() for g in gradients], 0.5
             ),
         )
+
+    def test_loss_function_equals_loss_and_tape(self):
+        """minimize(loss_fn) updates exactly like minimize(loss, tape)."""
+        results = []
+        for form in ("function", "tape"):
+            keras.utils.set_random_seed(0)
+            generator, _ = networks(Generator)
+            optimizer = keras.optimizers.SGD(0.5)
+
+            def loss_fn():
+                return tf.reduce_mean(generator(tf.ones((2, NOISE))))
+
+            if form == "function":
+                generator.minimize(loss_fn, optimizer=optimizer)
+            else:
+                with tf.GradientTape() as tape:
+                    loss = loss_fn()
+                generator.minimize(loss, tape, optimizer=optimizer)
+            results.append(generator.get_weights())
+        self.assertAllClose(results[0], results[1], atol=0)
+
+    def test_loss_and_tape_mixed_up_raise(self):
+        """A tensor without its tape, or a function with one, is refused."""
+        generator, _ = networks(Generator)
+        optimizer = keras.optimizers.SGD()
+        with self.assertRaisesRegex(ValueError, "tape=None"):
+            generator.minimize(tf.constant(1.0), optimizer=optimizer)
+        with tf.GradientTape() as tape:
+            pass
+        with self.assertRaisesRegex(ValueError, "Leave `tape` out"):
+            generator.minimize(lambda: 0.0, tape, optimizer=optimizer)

@@ -136,6 +136,28 @@ class ExamplesTest(testing.TestCase):
             1e-2,
         )
 
+    def test_wgan_gp_logs_the_library_penalty_and_writes_a_png(self):
+        """The critic's gradient penalty (from the library) and both losses
+        are logged, finite, and the grid is a real PNG."""
+        output_png = os.path.join(tempfile.mkdtemp(), "grid.png")
+        output = run_example(
+            "wgan_gp",
+            "--epochs=2",
+            "--critic_steps=2",
+            f"--output={output_png}",
+        )
+        for name in (
+            "d_loss",
+            "g_loss",
+            "critic_input_gradient_penalty",
+            "critic_grad_norm",
+            "generator_grad_norm",
+        ):
+            self.assertTrue(math.isfinite(printed(output, name)), name)
+        self.assertGreater(printed(output, "critic_input_gradient_penalty"), 0)
+        with open(output_png, "rb") as f:
+            self.assertEqual(f.read(4), b"\x89PNG")
+
     def test_gan_logs_both_networks_and_writes_a_png(self):
         """Both losses and each network's gradient norms are logged, the
         discriminator's clipped norm respects its bound, and the grid of

@@ -350,3 +350,59 @@ def scalar_tensor(value: Any, what: str, name: str) -> tf.Tensor:
             "with `ops.mean`."
         )
     return tensor
+
+
+def path(name: str, value: Any, example: str) -> str:
+    """Returns `value` as a string path after checking it.
+
+    Args:
+        name: String. The argument's name, used in the error message.
+        value: The value received: a string or an `os.PathLike` object.
+        example: String. A path shown in the message as a fix.
+
+    Returns:
+        `value` as a Python string (`os.fspath` of a path object).
+
+    Raises:
+        ValueError: If `value` is not a non-empty string or an
+            `os.PathLike` object naming one (`None`, bytes, numbers).
+    """
+    import os
+
+    try:
+        text = os.fspath(value) if isinstance(value, os.PathLike) else value
+    except TypeError:
+        text = None
+    if not isinstance(text, str) or not text:
+        raise ValueError(
+            f"`{name}` must be a non-empty string or an os.PathLike path. "
+            f"Received: {name}={value!r}. Pass a path such as "
+            f"{name}={example!r}."
+        )
+    return str(text)
+
+
+def boolean_or_none(name: str, value: Any, meaning: str) -> bool | None:
+    """Returns `value` after checking that it is a bool or `None`.
+
+    Args:
+        name: String. The argument's name, used in the error message.
+        value: The value received.
+        meaning: String. What `None` means, for the message ("the
+            default").
+
+    Returns:
+        `None`, or `value` as a Python bool (a NumPy bool is accepted).
+
+    Raises:
+        ValueError: If `value` is not `True`, `False` or `None`.
+    """
+    if value is None:
+        return None
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(
+            f"`{name}` must be True, False, or None for {meaning}. "
+            f"Received: {name}={value!r}. Pass {name}=True, {name}=False or "
+            f"{name}=None."
+        )
+    return bool(value)

@@ -9,11 +9,13 @@ import csv
 import math
 import os
 import warnings
+import weakref
 from typing import Any
 
 import keras
 import numpy as np
 
+from custom_fit import _validation
 from custom_fit._types import Logs
 
 
@@ -28,27 +30,40 @@ def _check_inspected(callback: keras.callbacks.Callback, model: Any) -> None:
         )
 
 
+def _inspection_mark(model: Any) -> tuple[Any, int]:
+    """Returns what tells the model's figures from those of another step.
+
+    The pair of the inspection state and its count of inspected steps. The
+    count alone is not enough: it starts from 0 on another model, and on
+    the same model once it trains another set of variables (a layer frozen
+    or unfrozen), which has a state of its own.
+    """
+    return model._current_inspection_state(), model._inspection_count()
+
+
 def _new_figures(callback: Any) -> bool:
     """Returns whether the model inspected a step since the last call.
 
     With `inspect_every > 1`, gradient accumulation or before the first
     inspected step, the figures may be those already written (or none).
+    `on_train_begin` sets `callback._last_mark` to the figures found then,
+    which belong to an earlier fit.
     """
-    count = callback.model._inspection_count()
-    if count == callback._last_count:
+    mark = _inspection_mark(callback.model)
+    if mark == callback._last_mark:
         return False
-    callback._last_count = count
+    callback._last_mark = mark
     return True
 
 
-def _check_frequency(name: str, value: Any) -> int:
-    """Returns `value` if it is an integer >= 1, else raises `ValueError`."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(
-            f"`{name}` must be an integer >= 1. Received: {name}={value!r}. "
-            f"Pass for example {name}=10."
-        )
-    return value
+def _update_freq(value: Any) -> int | str:
+    """Returns `update_freq` checked: an int, or `"epoch"` (`"batch"` is 1)."""
+    if isinstance(value, str):
+        value = _validation.one_of(("batch", "epoch"))("update_freq", value)
+        return 1 if value == "batch" else "epoch"
+    return _validation.positive_int(
+        "update_freq", value, "or 'batch' or 'epoch'"
+    )
 
 
 class GradientNormHistory(keras.callbacks.Callback):
@@ -57,13 +72,20 @@ class GradientNormHistory(keras.callbacks.Callback):
     The picture people look at for vanishing and exploding gradients: one
     line per layer, gradient norm against training step, on a log scale.
 
+    Successive fits of the same model add to one history (the steps, which
+    are optimizer updates, go on from one fit to the next). A fit of
+    another model starts a new history: `steps` and `norms` are then new
+    lists, and those of the previous model are left as they were.
+
     Args:
         every_n_batches: Integer. Record after every this many calls of the
-            train function (each call is `steps_per_execution` steps).
+            train function (each call is `steps_per_execution` steps),
+            counted from the start of each fit.
 
     Attributes:
         steps: List of optimizer steps at which norms were recorded.
-        norms: Dict of layer name to the list of its recorded norms.
+        norms: Dict of layer name to the list of its recorded norms, one
+            per entry of `steps` (NaN where the layer was not trained).
 
     Example:
 
@@ -77,16 +99,25 @@ class GradientNormHistory(keras.callbacks.Callback):
 
     def __init__(self, every_n_batches: int = 1) -> None:
         super().__init__()
-        self.every_n_batches = _check_frequency(
+        self.every_n_batches = _validation.positive_int(
             "every_n_batches", every_n_batches
         )
         self.steps: list[int] = []
         self.norms: dict[str, list[float]] = {}
+        # The model that `steps` and `norms` are of (a weak reference).
+        self._recorded: weakref.ref[Any] | None = None
+        # Per fit: calls of the train function, and the figures last seen.
         self._calls = 0
-        self._last_count = 0
+        self._last_mark: tuple[Any, int] | None = None
 
     def on_train_begin(self, logs: Logs | None = None) -> None:
         _check_inspected(self, self.model)
+        if self._recorded is None or self._recorded() is not self.model:
+            self.steps = []
+            self.norms = {}
+            self._recorded = weakref.ref(self.model)
+        self._calls = 0
+        self._last_mark = _inspection_mark(self.model)
 
     def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
         self._calls += 1
@@ -94,10 +125,11 @@ class GradientNormHistory(keras.callbacks.Callback):
             return
         norms = self.model.gradient_norms
         self.steps.append(self.model.inspected_step)
-        for layer, norm in norms.items():
-            history = self.norms.setdefault(layer, [])
-            history.extend([math.nan] * (len(self.steps) - 1 - len(history)))
-            history.append(norm)
+        for layer in norms:
+            if layer not in self.norms:
+                self.norms[layer] = [math.nan] * (len(self.steps) - 1)
+        for layer, history in self.norms.items():
+            history.append(norms.get(layer, math.nan))
 
     def to_csv(self, path: str | os.PathLike[str]) -> None:
         """Writes `step,<layer>,...` rows, one per recorded step.
@@ -119,6 +151,10 @@ class GradientNormHistory(keras.callbacks.Callback):
     ) -> None:
         """Writes a PNG of per-layer gradient norms over steps (log scale).
 
+        It draws on a `matplotlib.figure.Figure` of its own, with the Agg
+        canvas: pyplot and the backend in use (a notebook's, say) are left
+        as they are.
+
         Args:
             path: String. The PNG file to write.
             title: String. The figure title.
@@ -127,17 +163,17 @@ class GradientNormHistory(keras.callbacks.Callback):
             ImportError: If matplotlib is not installed.
         """
         try:
-            import matplotlib
-
-            matplotlib.use("Agg")
-            from matplotlib import pyplot
+            import matplotlib.backends.backend_agg
+            import matplotlib.figure
         except ImportError as error:
             raise ImportError(
                 "GradientNormHistory.plot needs matplotlib, which is not "
                 "installed. Install it with `pip install matplotlib` or "
                 "`pip install 'custom-fit[examples]'`."
             ) from error
-        figure, axes = pyplot.subplots(figsize=(8, 4.5))
+        figure = matplotlib.figure.Figure(figsize=(8, 4.5))
+        matplotlib.backends.backend_agg.FigureCanvasAgg(figure)
+        axes = figure.subplots()
         for layer, norms in self.norms.items():
             axes.plot(self.steps, np.asarray(norms, float), label=layer)
         axes.set_yscale("log")
@@ -147,7 +183,6 @@ class GradientNormHistory(keras.callbacks.Callback):
         axes.legend(fontsize="small")
         figure.tight_layout()
         figure.savefig(path, format="png")
-        pyplot.close(figure)
 
 
 class GradientTensorBoard(keras.callbacks.Callback):
@@ -160,10 +195,19 @@ class GradientTensorBoard(keras.callbacks.Callback):
     created at the first write, so a run that logs nothing leaves no file.
 
     Args:
-        log_dir: String. The TensorBoard log directory.
-        update_freq: Integer or `"epoch"`. Write after every this many
-            calls of the train function, or at the end of each epoch.
-        histograms: Bool. Also write gradient histograms.
+        log_dir: String or `os.PathLike`. The TensorBoard log directory.
+        update_freq: `"batch"`, `"epoch"` or integer. With an integer, say
+            `10`, write after every 10 calls of the train function
+            (counted from the start of each fit); `"batch"` is a synonym
+            for `1`, as in `keras.callbacks.TensorBoard`. With `"epoch"`,
+            write at the end of each epoch. Defaults to `"epoch"`.
+        histograms: Bool or `None`. Whether to also write gradient
+            histograms, which need the model built with
+            `keep_gradients=True`. `None` (the default) writes them when
+            the model keeps gradients; otherwise only the norms are
+            written, and a `UserWarning` says so once. `True` on a model
+            without `keep_gradients=True` raises a `ValueError` when
+            training starts.
 
     Example:
 
@@ -179,18 +223,22 @@ class GradientTensorBoard(keras.callbacks.Callback):
         self,
         log_dir: str | os.PathLike[str],
         update_freq: int | str = "epoch",
-        histograms: bool = True,
+        histograms: bool | None = None,
     ) -> None:
         super().__init__()
-        if update_freq != "epoch":
-            _check_frequency("update_freq", update_freq)
-        self.log_dir = os.fspath(log_dir)
-        self.update_freq = update_freq
-        self.histograms = histograms
+        self.log_dir = _validation.path("log_dir", log_dir, "logs")
+        self.update_freq = _update_freq(update_freq)
+        self.histograms = _validation.boolean_or_none(
+            "histograms", histograms, "histograms when the model keeps them"
+        )
         # A tf.summary.SummaryWriter, created at the first write.
         self._writer: Any = None
+        self._warned = False
+        # Per fit: whether histograms are written, calls of the train
+        # function, and the figures last seen.
+        self._write_histograms = False
         self._calls = 0
-        self._last_count = 0
+        self._last_mark: tuple[Any, int] | None = None
 
     def on_train_begin(self, logs: Logs | None = None) -> None:
         _check_inspected(self, self.model)
@@ -202,12 +250,29 @@ class GradientTensorBoard(keras.callbacks.Callback):
                 "`tensorboard` package (TensorFlow 2.21 no longer installs "
                 "it). Install it with `pip install tensorboard`."
             ) from error
-        if self.histograms and not self.model.keep_gradients:
+        keeps_gradients = bool(self.model.keep_gradients)
+        if self.histograms and not keeps_gradients:
             raise ValueError(
                 "GradientTensorBoard(histograms=True) needs the model built "
-                "with keep_gradients=True. Received: keep_gradients=False. "
-                "Pass keep_gradients=True to the model, or histograms=False."
+                "with keep_gradients=True. Received: histograms=True on a "
+                "model with keep_gradients=False. Pass keep_gradients=True "
+                "to the model, or histograms=False to write the norms only."
             )
+        if self.histograms is None and not keeps_gradients and not self._warned:
+            self._warned = True
+            warnings.warn(
+                "GradientTensorBoard writes the gradient norms only: "
+                "histograms need the model built with keep_gradients=True. "
+                "Pass keep_gradients=True to the model for histograms, or "
+                "histograms=False to silence this warning.",
+                UserWarning,
+                stacklevel=2,
+            )
+        self._write_histograms = (
+            keeps_gradients if self.histograms is None else self.histograms
+        )
+        self._calls = 0
+        self._last_mark = _inspection_mark(self.model)
 
     def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
         self._calls += 1
@@ -237,7 +302,7 @@ class GradientTensorBoard(keras.callbacks.Callback):
         with self._writer.as_default(step=step):
             for layer, norm in self.model.gradient_norms.items():
                 tf.summary.scalar(f"gradient_norm/{layer}", norm)
-            if self.histograms:
+            if self._write_histograms:
                 for layer, arrays in self.model.layer_gradients.items():
                     values = np.concatenate([a.ravel() for a in arrays])
                     tf.summary.histogram(f"gradients/{layer}", values)
@@ -286,22 +351,8 @@ class GradientAlarm(keras.callbacks.Callback):
         self, max_norm: float | None = None, action: str = "stop"
     ) -> None:
         super().__init__()
-        if action not in self.ACTIONS:
-            raise ValueError(
-                f"`action` must be one of {self.ACTIONS}. Received: "
-                f"action={action!r}. Pass one of the allowed values."
-            )
-        if max_norm is not None and (
-            isinstance(max_norm, bool)
-            or not isinstance(max_norm, (int, float))
-            or not max_norm > 0
-        ):
-            raise ValueError(
-                "`max_norm` must be a number > 0, or None. Received: "
-                f"max_norm={max_norm!r}. Pass for example max_norm=1e3."
-            )
-        self.max_norm = max_norm
-        self.action = action
+        self.action = _validation.one_of(self.ACTIONS)("action", action)
+        self.max_norm = _validation.positive_float_or_none("max_norm", max_norm)
         self.triggered: tuple[int, str, float] | None = None
         self._warned: set[str] = set()
 

@@ -5,11 +5,13 @@ import glob
 import os
 import sys
 import tempfile
+import warnings
 from unittest import mock
 
 import keras
 import numpy as np
 import tensorflow as tf
+from absl.testing import parameterized
 from tensorboard.backend.event_processing import event_accumulator
 
 import custom_fit
@@ -32,12 +34,19 @@ class SqrtScale(keras.layers.Layer):
         return inputs * tf.sqrt(self.w)
 
 
-def fitted(model_callbacks, epochs=2, **model_kwargs):
+def fitted(model_callbacks, epochs=2, samples=64, **model_kwargs):
+    """Fits a new `testing.mlp` in batches of 16, unshuffled; returns it."""
     model = testing.mlp(Net, **model_kwargs)
     model.compile(optimizer="sgd", loss=testing.sparse_crossentropy())
-    x, y = testing.classification_data()
+    x, y = testing.classification_data(samples=samples)
     model.fit(
-        x, y, batch_size=16, epochs=epochs, verbose=0, callbacks=model_callbacks
+        x,
+        y,
+        batch_size=16,
+        epochs=epochs,
+        shuffle=False,
+        verbose=0,
+        callbacks=model_callbacks,
     )
     return model
 
@@ -93,9 +102,98 @@ class GradientTensorBoardTest(testing.TestCase):
         )
 
     def test_histograms_need_kept_gradients(self):
-        """Histograms without keep_gradients=True fail with the fix."""
-        with self.assertRaisesRegex(ValueError, "keep_gradients=True"):
-            fitted([callbacks.GradientTensorBoard(tempfile.mkdtemp())])
+        """histograms=True without keep_gradients=True fails with the fix."""
+        with self.assertRaisesRegex(ValueError, "Pass keep_gradients=True"):
+            fitted(
+                [
+                    callbacks.GradientTensorBoard(
+                        tempfile.mkdtemp(), histograms=True
+                    )
+                ]
+            )
+
+    def test_defaults_without_kept_gradients_write_norms(self):
+        """Default histograms, no kept gradients: norms and one warning."""
+        log_dir = tempfile.mkdtemp()
+        board = callbacks.GradientTensorBoard(log_dir, update_freq=1)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fitted([board], epochs=1)
+            fitted([board], epochs=1)
+        said = [w for w in caught if "GradientTensorBoard" in str(w.message)]
+        self.assertLen(said, 1)
+        self.assertIs(said[0].category, UserWarning)
+        self.assertIn("keep_gradients=True", str(said[0].message))
+        _, tags = event_tags(os.path.join(log_dir, "train"))
+        self.assertTrue(
+            {"gradient_norm/hidden", "gradient_norm/output"} <= tags, tags
+        )
+        self.assertEqual({t for t in tags if t.startswith("gradients/")}, set())
+
+    def test_update_freq_batch_writes_every_call(self):
+        """update_freq='batch' means 1, as in keras.callbacks.TensorBoard."""
+        log_dir = tempfile.mkdtemp()
+        board = callbacks.GradientTensorBoard(
+            log_dir, update_freq="batch", histograms=False
+        )
+        self.assertEqual(board.update_freq, 1)
+        fitted([board], epochs=1)
+        accumulator, _ = event_tags(os.path.join(log_dir, "train"))
+        steps = [e.step for e in accumulator.Tensors("gradient_norm/hidden")]
+        self.assertEqual(steps, [1, 2, 3, 4])
+
+    def test_reused_on_another_model_writes_its_first_step(self):
+        """Moved to another model, it writes that model's first step."""
+        board = callbacks.GradientTensorBoard(
+            tempfile.mkdtemp(), update_freq=1, histograms=False
+        )
+        fitted([board], epochs=1, samples=16, seed=5)
+        board.log_dir = tempfile.mkdtemp()
+        fitted([board], epochs=1)
+        accumulator, _ = event_tags(os.path.join(board.log_dir, "train"))
+        steps = [e.step for e in accumulator.Tensors("gradient_norm/hidden")]
+        self.assertEqual(steps, [1, 2, 3, 4])
+
+    @parameterized.named_parameters(
+        ("log_dir_none", dict(log_dir=None), "Received: log_dir=None. Pass"),
+        ("log_dir_int", dict(log_dir=3), "Received: log_dir=3. Pass"),
+        ("log_dir_empty", dict(log_dir=""), "Received: log_dir=''. Pass"),
+        (
+            "histograms_string",
+            dict(histograms="no"),
+            "Received: histograms='no'. Pass",
+        ),
+        (
+            "update_freq_string",
+            dict(update_freq="step"),
+            r"one of \('batch', 'epoch'\). Received: update_freq='step'",
+        ),
+        (
+            "update_freq_float",
+            dict(update_freq=2.0),
+            "'batch' or 'epoch'. Received: update_freq=2.0. Pass",
+        ),
+    )
+    def test_bad_arguments_raise(self, arguments, message):
+        """Bad arguments are refused by name, with the value received."""
+        arguments = {"log_dir": tempfile.mkdtemp(), **arguments}
+        with self.assertRaisesRegex(ValueError, message):
+            callbacks.GradientTensorBoard(**arguments)
+
+    def test_numpy_numbers_are_accepted(self):
+        """NumPy numbers are accepted and stored as Python numbers."""
+        board = callbacks.GradientTensorBoard(
+            tempfile.mkdtemp(), update_freq=np.int64(10)
+        )
+        history = callbacks.GradientNormHistory(every_n_batches=np.int64(10))
+        alarm = callbacks.GradientAlarm(max_norm=np.float32(1e3))
+        self.assertEqual(
+            (board.update_freq, history.every_n_batches, alarm.max_norm),
+            (10, 10, 1e3),
+        )
+        self.assertIs(type(board.update_freq), int)
+        self.assertIs(type(history.every_n_batches), int)
+        self.assertIs(type(alarm.max_norm), float)
 
     def test_plain_model_is_refused(self):
         """A model without the inspection mixin gets a clear error."""
@@ -150,6 +248,55 @@ class GradientNormHistoryTest(testing.TestCase):
         self.assertEqual(
             history.norms["hidden"][-1], model.gradient_norms["hidden"]
         )
+
+    def test_plot_leaves_the_backend_alone(self):
+        """plot() writes a valid PNG without switching the backend in use."""
+        import matplotlib
+        import matplotlib.image
+
+        history = callbacks.GradientNormHistory()
+        fitted([history], epochs=1)
+        previous = matplotlib.get_backend()
+        matplotlib.use("svg")
+        self.addCleanup(matplotlib.use, previous)
+        png = os.path.join(tempfile.mkdtemp(), "norms.png")
+        history.plot(png)
+        self.assertEqual(matplotlib.get_backend(), "svg")
+        with open(png, "rb") as handle:
+            self.assertEqual(handle.read(8), b"\x89PNG\r\n\x1a\n")
+        self.assertGreater(matplotlib.image.imread(png).shape[0], 100)
+
+    @parameterized.named_parameters(("every_batch", 1), ("every_2", 2))
+    def test_reused_on_another_model_records_as_a_fresh_one(self, every):
+        """On a second model it records just what a new history does."""
+        reused = callbacks.GradientNormHistory(every_n_batches=every)
+        fitted([reused], epochs=1, samples=16, seed=5)
+        fitted([reused])
+        fresh = callbacks.GradientNormHistory(every_n_batches=every)
+        fitted([fresh])
+        self.assertEqual(reused.steps, list(range(every, 9, every)))
+        self.assertEqual(reused.steps, fresh.steps)
+        self.assertEqual(list(reused.norms), list(fresh.norms))
+        for layer in fresh.norms:
+            self.assertAllClose(reused.norms[layer], fresh.norms[layer])
+
+    def test_fits_of_one_model_add_to_one_history(self):
+        """Fits of one model add up; a frozen layer's entries are NaN."""
+        history = callbacks.GradientNormHistory()
+        model = fitted([history])
+        model.get_layer("hidden").trainable = False
+        model.compile(model.optimizer, loss=testing.sparse_crossentropy())
+        x, y = testing.classification_data()
+        model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[history])
+        self.assertEqual(history.steps, list(range(1, 17)))
+        self.assertLen(history.norms["hidden"], 16)
+        self.assertTrue(np.isfinite(history.norms["hidden"][:8]).all())
+        self.assertTrue(np.isnan(history.norms["hidden"][8:]).all())
+        self.assertTrue(np.isfinite(history.norms["output"]).all())
+        path = os.path.join(tempfile.mkdtemp(), "norms.csv")
+        history.to_csv(path)
+        with open(path, newline="") as handle:
+            self.assertLen(list(csv.reader(handle)), 17)
 
     def test_plot_without_matplotlib_names_the_install(self):
         """Without matplotlib, plot raises ImportError saying what to

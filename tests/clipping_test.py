@@ -56,9 +56,7 @@ class ClippingTest(testing.TestCase):
     @parameterized.parameters(
         clipping.clip_by_norm,
         clipping.clip_by_global_norm,
-        lambda g, bound: clipping.clip_by_group_norm(
-            g, ["a"], bound
-        ),
+        lambda g, bound: clipping.clip_by_group_norm(g, ["a"], bound),
     )
     def test_zero_gradient_with_tiny_bound_stays_zero(self, clip):
         """A zero norm (all-zero sample weights) never divides 0 by 0, even

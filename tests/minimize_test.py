@@ -269,7 +269,7 @@ class MinimizeTest(testing.TestCase):
             generator, _ = networks(Generator)
             optimizer = keras.optimizers.SGD(0.5)
 
-            def loss_fn():
+            def loss_fn(generator=generator):
                 return tf.reduce_mean(generator(tf.ones((2, NOISE))))
 
             if form == "function":

@@ -72,10 +72,11 @@ class GradientNormHistory(keras.callbacks.Callback):
     The picture people look at for vanishing and exploding gradients: one
     line per layer, gradient norm against training step, on a log scale.
 
-    Successive fits of the same model add to one history (the steps, which
-    are optimizer updates, go on from one fit to the next). A fit of
-    another model starts a new history: `steps` and `norms` are then new
-    lists, and those of the previous model are left as they were.
+    Successive fits of the same model add to one history: its steps are the
+    optimizer's update counts, which go on from fit to fit while the model
+    keeps its optimizer. A fit of another model starts a new history:
+    `steps` and `norms` are then new lists, and those of the previous model
+    are left as they were.
 
     Args:
         every_n_batches: Integer. Record after every this many calls of the

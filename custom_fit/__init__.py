@@ -11,11 +11,11 @@ from custom_fit import inspection
 from custom_fit import pipeline
 from custom_fit import regularization
 from custom_fit import sharpness
-from custom_fit.gradient_clipping import GradientClippingMixin
-from custom_fit.gradient_inspection import GradientInspectionMixin
+from custom_fit.clipping_mixin import GradientClippingMixin
+from custom_fit.inspection_mixin import GradientInspectionMixin
 from custom_fit.regularization_mixin import RegularizationMixin
-from custom_fit.sharpness_aware import SharpnessAwareMixin
-from custom_fit.train_step import TrainStepMixin
+from custom_fit.sharpness_mixin import SharpnessAwareMixin
+from custom_fit.train_step_mixin import TrainStepMixin
 
 __version__ = "0.1.0"
 

@@ -1,95 +1,88 @@
-"""Element-wise helpers that treat dense and `tf.IndexedSlices` alike.
+"""Element-wise helpers that treat dense and sparse gradients alike.
 
-A gradient in a list may be a dense tensor, a `tf.IndexedSlices` (the
-gradient of an `Embedding` or of `tf.gather`), or `None` (no gradient).
+A gradient in a list may be a dense tensor of the backend, `None` (no
+gradient), or, on TensorFlow, a `tf.IndexedSlices` (the gradient of an
+`Embedding` or of a gather). The sparse cases go through the backend
+adapter; everything else is `keras.ops`.
 """
 
 from collections.abc import Callable
+from typing import Any
 
-import tensorflow as tf
+from keras import ops
 
+from custom_fit import backend
 from custom_fit._types import Gradient
 
 
-def map_values(
-    function: Callable[[tf.Tensor], tf.Tensor], gradient: Gradient
-) -> Gradient:
+def is_sparse(gradient: Gradient) -> bool:
+    """Returns whether `gradient` is a sparse gradient of the backend."""
+    return gradient is not None and backend.current().is_sparse(gradient)
+
+
+def map_values(function: Callable[[Any], Any], gradient: Gradient) -> Gradient:
     """Applies `function` to the values of `gradient`.
 
     Args:
         function: Callable on a dense tensor, returning a tensor of the same
             shape.
-        gradient: A tensor, a `tf.IndexedSlices`, or `None`.
+        gradient: A tensor, a sparse gradient, or `None`.
 
     Returns:
         The result, of the same kind as `gradient`; `None` for `None`.
     """
     if gradient is None:
         return None
-    if isinstance(gradient, tf.IndexedSlices):
-        return tf.IndexedSlices(
-            function(gradient.values), gradient.indices, gradient.dense_shape
-        )
+    if is_sparse(gradient):
+        return backend.current().map_values(function, gradient)
     return function(gradient)
 
 
 def deduplicate(gradient: Gradient) -> Gradient:
-    """Sums the rows of an `IndexedSlices` that share an index.
+    """Returns a sparse gradient with one row per index; others unchanged.
 
-    `tape.gradient` returns one row per lookup, so an index looked up twice
-    appears twice. Norms and element-wise clipping must act on the summed
-    row (the dense gradient), not on each part.
-
-    Args:
-        gradient: A tensor, a `tf.IndexedSlices`, or `None`.
-
-    Returns:
-        `gradient` unchanged unless it is a `tf.IndexedSlices`; then an
-        equivalent `tf.IndexedSlices` whose indices are unique.
+    Norms and element-wise clipping must act on the summed row (the dense
+    gradient), not on each lookup's part.
     """
-    if not isinstance(gradient, tf.IndexedSlices):
-        return gradient
-    unique_indices, positions = tf.unique(gradient.indices)
-    values = tf.math.unsorted_segment_sum(
-        gradient.values, positions, tf.shape(unique_indices)[0]
-    )
-    return tf.IndexedSlices(values, unique_indices, gradient.dense_shape)
+    if is_sparse(gradient):
+        return backend.current().deduplicate(gradient)
+    return gradient
 
 
-def values_of(gradient: tf.Tensor | tf.IndexedSlices) -> tf.Tensor:
-    """Returns the tensor that holds the numbers of `gradient`.
-
-    Args:
-        gradient: A tensor or a `tf.IndexedSlices`.
-
-    Returns:
-        `gradient.values` for a `tf.IndexedSlices`, else `gradient`.
-    """
-    if isinstance(gradient, tf.IndexedSlices):
+def values_of(gradient: Any) -> Any:
+    """Returns the tensor that holds the numbers of `gradient`."""
+    if is_sparse(gradient):
         return gradient.values
     return gradient
 
 
-def squared_sum(gradient: tf.Tensor | tf.IndexedSlices) -> tf.Tensor:
-    """Returns the sum of squares of the dense equivalent of `gradient`.
-
-    Args:
-        gradient: A tensor or a `tf.IndexedSlices`.
-
-    Returns:
-        A float32 scalar tensor.
-    """
-    values = tf.cast(values_of(deduplicate(gradient)), tf.float32)
-    return tf.reduce_sum(tf.square(values))
+def squared_sum(gradient: Any) -> Any:
+    """Returns the float32 sum of squares of the dense equivalent."""
+    values = ops.cast(values_of(deduplicate(gradient)), "float32")
+    return ops.sum(ops.square(values))
 
 
-def is_finite(gradient: tf.Tensor | tf.IndexedSlices) -> tf.Tensor:
-    """Returns whether every entry of `gradient` is finite.
+def is_finite(gradient: Any) -> Any:
+    """Returns a boolean scalar: whether every entry is finite."""
+    return ops.all(ops.isfinite(values_of(gradient)))
 
-    Args:
-        gradient: A tensor or a `tf.IndexedSlices`.
 
-    Returns:
-        A boolean scalar tensor.
-    """
-    return tf.reduce_all(tf.math.is_finite(values_of(gradient)))
+def dense_size(gradient: Any) -> Any:
+    """Returns the number of entries of the dense equivalent, as float32."""
+    if is_sparse(gradient):
+        return backend.current().dense_size(gradient)
+    return ops.cast(ops.size(gradient), "float32")
+
+
+def dense(gradient: Any) -> Any:
+    """Returns `gradient` as a dense tensor."""
+    if is_sparse(gradient):
+        return backend.current().dense(gradient)
+    return ops.convert_to_tensor(gradient)
+
+
+def add_all(values: list[Any]) -> Any:
+    """Returns the sum of a non-empty list of same-shaped tensors."""
+    if len(values) == 1:
+        return values[0]
+    return ops.sum(ops.stack(values), axis=0)

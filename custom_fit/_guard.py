@@ -21,12 +21,16 @@ import dataclasses
 from typing import Any
 
 import keras
-import tensorflow as tf
+from keras import ops
 
+from custom_fit import _model_state
+from custom_fit import _state
+from custom_fit import backend
 from custom_fit import clipping
 from custom_fit import pipeline
 from custom_fit._types import Gradients
 from custom_fit._types import Optimizer
+from custom_fit._types import Tensor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,8 +45,8 @@ class Verdict:
             above 1 explains a non-finite update; `None` without one.
     """
 
-    finite: tf.Tensor | None
-    explained: tf.Tensor | None
+    finite: Tensor | None
+    explained: Tensor | None
 
 
 class NonFiniteGuard:
@@ -55,22 +59,19 @@ class NonFiniteGuard:
 
     def __init__(self, model: Any) -> None:
         self._model = model
-        self.counter: tf.Variable | None = None
+        self.counter: Any = None
         if model.skip_nonfinite:
-            self.counter = tf.Variable(
-                0,
-                dtype=tf.int64,
-                trainable=False,
-                aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
-                name="consecutive_skipped_steps",
+            self.counter = _state.state_variable(
+                (), "int32", "consecutive_skipped_steps"
             )
+            _model_state.state_of(model).holder.track(self.counter)
 
     @property
     def active(self) -> bool:
         """Whether `skip_nonfinite` is on."""
         return bool(self._model.skip_nonfinite)
 
-    def batch_is_finite(self, gradients: Gradients) -> tf.Tensor | None:
+    def batch_is_finite(self, gradients: Gradients) -> Tensor | None:
         """Returns whether a batch's own true gradients are finite.
 
         Args:
@@ -108,15 +109,15 @@ class NonFiniteGuard:
             return Verdict(None, None)
         finite = clipping.all_finite(gradients)
         if self.active:
-            finite = tf.logical_and(finite, clipping.all_finite(transformed))
+            finite = ops.logical_and(finite, clipping.all_finite(transformed))
         explained = None
         if scale_optimizer:
-            explained = tf.greater(
-                tf.cast(pipeline.loss_scale(optimizer), tf.float32), 1.0
+            explained = ops.greater(
+                ops.cast(pipeline.loss_scale(optimizer), "float32"), 1.0
             )
         return Verdict(finite, explained)
 
-    def record(self, verdict: Verdict, is_update: tf.Tensor | None) -> None:
+    def record(self, verdict: Verdict, is_update: Tensor | None) -> None:
         """Counts a skipped update in `skipped_steps` and the streak counter.
 
         Args:
@@ -126,44 +127,50 @@ class NonFiniteGuard:
         """
         if not self.active:
             return
-        skipped = tf.logical_not(verdict.finite)
+        skipped = ops.logical_not(verdict.finite)
         if is_update is not None:
-            skipped = tf.logical_and(is_update, skipped)
+            skipped = ops.logical_and(is_update, skipped)
         self._model._report(
             "skipped_steps",
-            tf.cast(skipped, tf.float32),
+            ops.cast(skipped, "float32"),
             reduction="sum",
             held=False,
         )
-        count = self.counter
+        count = backend.current().read(self.counter)
         counts = skipped
         if verdict.explained is not None:
-            counts = tf.logical_and(skipped, tf.logical_not(verdict.explained))
-        new_count = tf.where(
-            counts, count + 1, tf.where(skipped, count, tf.zeros_like(count))
+            counts = ops.logical_and(
+                skipped, ops.logical_not(verdict.explained)
+            )
+        new_count = ops.where(
+            counts, count + 1, ops.where(skipped, count, ops.zeros_like(count))
         )
         if is_update is not None:
-            new_count = tf.where(is_update, new_count, count)
+            new_count = ops.where(is_update, new_count, count)
         limit = self._model.max_consecutive_skipped_steps
         if limit is not None:
             # Past the limit the count stays put until the host reads it, so
             # a streak inside one `steps_per_execution` call is not lost.
-            new_count = tf.where(count > limit, count, new_count)
-        count.assign(new_count)
+            new_count = ops.where(count > limit, count, new_count)
+        self.counter.assign(new_count)
 
-    def check_limit(self, nested: bool) -> None:
+    def check_limit(self, fitted: Any, nested: bool) -> None:
         """Raises `RuntimeError` when the consecutive-skip limit is passed.
 
         Args:
-            nested: Bool. The model is a network inside the fitted one.
+            fitted: The model whose `fit` runs (it holds the latest state
+                on JAX).
+            nested: Bool. The guarded model is a network inside `fitted`.
         """
         limit = self._model.max_consecutive_skipped_steps
         if self.counter is None or limit is None:
             return
-        count = int(self.counter.numpy())
+        count = int(backend.current().host_value(fitted, self.counter))
         if count <= limit:
             return
-        self.counter.assign(0)
+        # Training stops here: on JAX the variables get the latest state.
+        backend.current().write_latest(fitted)
+        self.counter.assign(ops.zeros((), "int32"))
         where = f" of the network {self._model.name!r}" if nested else ""
         raise RuntimeError(
             f"{count} consecutive training steps{where} had non-finite "

@@ -15,9 +15,10 @@ from collections.abc import Iterable
 from typing import Any
 
 import keras
-import tensorflow as tf
+from keras import ops
 
 from custom_fit import _model_state
+from custom_fit import backend
 from custom_fit import pipeline
 from custom_fit._types import Logs
 
@@ -44,7 +45,7 @@ def compute_loss(
     y_pred: Any,
     sample_weight: Any,
     training: bool,
-) -> tf.Tensor:
+) -> Any:
     """Calls `model.compute_loss`, also for overrides without `training`.
 
     `Trainer._compute_loss` is Keras' own compatibility wrapper for
@@ -64,7 +65,7 @@ def compute_loss(
     )
 
 
-def batch_size(x: Any, dtype: tf.DType) -> tf.Tensor:
+def batch_size(x: Any, dtype: str) -> Any:
     """Returns the size of the batch `x` (its first input's first axis).
 
     Args:
@@ -74,16 +75,11 @@ def batch_size(x: Any, dtype: tf.DType) -> tf.Tensor:
     Returns:
         A scalar tensor of `dtype`.
     """
-    first_input = next(i for i in tf.nest.flatten(x) if i is not None)
-    return tf.cast(tf.shape(first_input)[0], dtype)
+    first_input = next(i for i in keras.tree.flatten(x) if i is not None)
+    return ops.cast(ops.shape(first_input)[0], dtype)
 
 
-def track_loss(
-    model: keras.Model,
-    loss: tf.Tensor,
-    x: Any,
-    counted: tf.Tensor | None = None,
-) -> None:
+def track_loss(model: keras.Model, loss: Any, x: Any) -> None:
     """Updates the `loss` metric exactly as Keras' `train_step` does.
 
     `Trainer._loss_tracker` is the `Mean` metric behind `logs["loss"]`. Keras
@@ -94,16 +90,11 @@ def track_loss(
         model: The model.
         loss: Scalar tensor, the loss of the batch (not loss-scaled).
         x: The inputs of the batch, for its size.
-        counted: Optional boolean scalar tensor; when `False` the batch
-            is left out of the mean (a skipped step).
     """
     weight = batch_size(x, loss.dtype)
     replicas = pipeline.replica_count()
     if replicas > 1:  # as Keras' unscale_loss_for_distribution: no op on one
-        loss = loss * tf.cast(replicas, loss.dtype)
-    if counted is not None:
-        loss = tf.where(counted, loss, tf.zeros_like(loss))
-        weight = weight * tf.cast(counted, weight.dtype)
+        loss = loss * ops.cast(replicas, loss.dtype)
     model._loss_tracker.update_state(loss, sample_weight=weight)
 
 
@@ -125,6 +116,8 @@ def symbolic_build_batch(model: keras.Model, iterator: Iterable[Any]) -> Any:
         The first batch with every distributed value replaced by its first
         local component.
     """
+    import tensorflow as tf
+
     strategy = model.distribute_strategy
     for _, _, data_iterator in iterator:
         batch = next(data_iterator)
@@ -158,6 +151,8 @@ def reducible_logs(model: keras.Model, logs: Logs) -> Logs:
     """
     if not is_multi_worker(model):
         return logs
+    import tensorflow as tf
+
     return {
         name: tf.reshape(value, [1]) if value.shape.rank == 0 else value
         for name, value in logs.items()
@@ -166,6 +161,10 @@ def reducible_logs(model: keras.Model, logs: Logs) -> Logs:
 
 def is_multi_worker(model: keras.Model) -> bool:
     """Returns whether `model` was built under MultiWorkerMirroredStrategy."""
+    if backend.name() != "tensorflow":
+        return False
+    import tensorflow as tf
+
     return isinstance(
         getattr(model, "_distribute_strategy", None),
         tf.distribute.MultiWorkerMirroredStrategy,
@@ -178,20 +177,30 @@ class PrivateOverrides:
     def _maybe_symbolic_build(
         self, iterator: Any = None, data_batch: Any = None
     ) -> None:
-        """Keras' pre-`fit` build, with a MultiWorkerMirroredStrategy fix.
+        """TensorFlow's pre-`fit` build, fixed for MultiWorkerMirroredStrategy.
 
-        See `symbolic_build_batch`. The build traces `compute_loss` once,
-        outside any step (in cross-replica context under a strategy);
-        `report_metric` is muted meanwhile, as that trace is not a step.
+        See `symbolic_build_batch`.
         """
         if iterator is not None and is_multi_worker(self):
             data_batch = symbolic_build_batch(self, iterator)
             iterator = None
+        return super()._maybe_symbolic_build(  # type: ignore[misc]
+            iterator=iterator, data_batch=data_batch
+        )
+
+    def _symbolic_build(
+        self, iterator: Any = None, data_batch: Any = None
+    ) -> None:
+        """Keras' pre-`fit` build, with `report_metric` muted.
+
+        The build traces `compute_loss` once, outside any step (in
+        cross-replica context under a strategy); that trace is not a step.
+        """
         metrics = _model_state.state_of(self).metrics
         muted = metrics.muted
         metrics.muted = True
         try:
-            return super()._maybe_symbolic_build(  # type: ignore[misc]
+            return super()._symbolic_build(  # type: ignore[misc]
                 iterator=iterator, data_batch=data_batch
             )
         finally:

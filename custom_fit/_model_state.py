@@ -10,6 +10,7 @@ accumulators, inspection figures, warnings given) lives in one
 import threading
 from typing import Any
 
+from custom_fit import _state
 from custom_fit import _step_metrics
 
 
@@ -21,6 +22,8 @@ class ModelState:
         metrics: The `report_metric` registry (`_step_metrics.StepMetrics`).
         guard: The non-finite guard (`_guard.NonFiniteGuard`), made when
             the options are configured.
+        holder: The `_state.StateHolder` listing the model's state
+            variables and the optimizers its networks are updated with.
         accumulators: Dict of variable-set key to `GradientAccumulator`.
         inspection: Dict of variable-set key to inspection state.
         inspection_key: Key of the last inspected variable set.
@@ -36,6 +39,7 @@ class ModelState:
         self.options: dict[str, Any] = {}
         self.metrics = _step_metrics.StepMetrics()
         self.guard: Any = None
+        self.holder = _state.StateHolder()
         self.accumulators: dict[tuple[int, ...], Any] = {}
         self.inspection: dict[tuple[int, ...], Any] = {}
         self.inspection_key: tuple[int, ...] | None = None

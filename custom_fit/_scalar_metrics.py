@@ -4,22 +4,26 @@
 broadcastable weights, and update Keras variables, whose `assign_add` is a
 read, an add and an assign: about ten ops per update in the traced step.
 `report_metric` only ever passes a float32 scalar and a scalar weight, so
-these keep their state in plain `tf.Variable`s made like Keras' metric
-variables (`ON_READ`, summed across replicas) and update in at most three
-ops (a multiply and two `AssignAddVariableOp`s). Each metric costs about
+these keep their state in custom_fit's state variables (on TensorFlow,
+plain `tf.Variable`s made like Keras' metric variables: `ON_READ`, summed
+across replicas) and update in at most three ops (a multiply and two
+`AssignAddVariableOp`s). Each metric costs about
 40 microseconds of CPU per step on the seed MLP, so this matters where
 steps are short (see BUILD_NOTES.md, "Measured figures").
 """
 
 import keras
-import tensorflow as tf
+from keras import ops
 
 from custom_fit import _state
+from custom_fit import backend
+from custom_fit._types import Scalar
+from custom_fit._types import Tensor
 
 
-def _metric_variable(name: str) -> tf.Variable:
-    """Returns a float32 scalar accumulator, as Keras makes metric state."""
-    return _state.local_variable(0.0, name, tf.VariableAggregation.SUM)
+def _metric_variable(name: str) -> object:
+    """Returns a float32 scalar accumulator, summed across replicas."""
+    return _state.state_variable((), "float32", name, summed=True)
 
 
 class ScalarMean(keras.metrics.Metric):
@@ -34,9 +38,7 @@ class ScalarMean(keras.metrics.Metric):
         self.total = _metric_variable("total")
         self.count = _metric_variable("count")
 
-    def update_state(
-        self, value: tf.Tensor, sample_weight: tf.Tensor | float | None = None
-    ) -> None:
+    def update_state(self, value: Tensor, sample_weight: Scalar = None) -> None:
         """Adds `value` with weight `sample_weight` (1 when `None`).
 
         Args:
@@ -45,22 +47,25 @@ class ScalarMean(keras.metrics.Metric):
         """
         if sample_weight is None:
             self.total.assign_add(value)
-            self.count.assign_add(1.0)
+            self.count.assign_add(ops.ones((), "float32"))
             return
-        weight = tf.cast(sample_weight, tf.float32)
+        weight = ops.cast(sample_weight, "float32")
         self.total.assign_add(value * weight)
         self.count.assign_add(weight)
 
-    def result(self) -> tf.Tensor:
+    def state_variables(self) -> list[object]:
+        """Returns the variables that hold the metric's state."""
+        return [self.total, self.count]
+
+    def result(self) -> Tensor:
         """Returns the weighted mean since the last reset (0 if empty)."""
-        return tf.math.divide_no_nan(
-            self.total.read_value(), self.count.read_value()
-        )
+        read = backend.current().read
+        return ops.divide_no_nan(read(self.total), read(self.count))
 
     def reset_state(self) -> None:
         """Sets the total and the count to 0."""
-        self.total.assign(0.0)
-        self.count.assign(0.0)
+        self.total.assign(ops.zeros((), "float32"))
+        self.count.assign(ops.zeros((), "float32"))
 
 
 class ScalarSum(keras.metrics.Metric):
@@ -74,9 +79,7 @@ class ScalarSum(keras.metrics.Metric):
         super().__init__(name=name, dtype="float32")
         self.total = _metric_variable("total")
 
-    def update_state(
-        self, value: tf.Tensor, sample_weight: tf.Tensor | float | None = None
-    ) -> None:
+    def update_state(self, value: Tensor, sample_weight: Scalar = None) -> None:
         """Adds `value`, times `sample_weight` when given.
 
         Args:
@@ -84,13 +87,17 @@ class ScalarSum(keras.metrics.Metric):
             sample_weight: Optional scalar weight.
         """
         if sample_weight is not None:
-            value = value * tf.cast(sample_weight, tf.float32)
+            value = value * ops.cast(sample_weight, "float32")
         self.total.assign_add(value)
 
-    def result(self) -> tf.Tensor:
+    def state_variables(self) -> list[object]:
+        """Returns the variable that holds the metric's state."""
+        return [self.total]
+
+    def result(self) -> Tensor:
         """Returns the sum since the last reset."""
-        return self.total.read_value()
+        return backend.current().read(self.total)
 
     def reset_state(self) -> None:
         """Sets the total to 0."""
-        self.total.assign(0.0)
+        self.total.assign(ops.zeros((), "float32"))

@@ -1,37 +1,81 @@
-"""Non-trainable state that each replica writes on its own."""
+"""custom_fit's own state: variables made per backend, and their holder.
 
-import tensorflow as tf
+The mixins keep figures between steps (inspection state, gradient sums of
+accumulation, the consecutive-skip counter). They are made by the backend
+adapter: plain `ON_READ` `tf.Variable`s on TensorFlow (each replica writes
+its own copy), Keras variables on JAX. On JAX, everything a step changes
+must travel in the step's state; Keras carries the variables of the
+model's metrics there, so each model lists its state in one
+`StateHolder`, a metric that logs nothing and that `reset_metrics()`
+leaves alone.
+"""
+
+from collections.abc import Sequence
+from typing import Any
+
+import keras
+
+from custom_fit import backend
+from custom_fit._types import Variable
 
 
-def local_variable(
-    initial_value: tf.Tensor | float,
-    name: str,
-    aggregation: tf.VariableAggregation = (
-        tf.VariableAggregation.ONLY_FIRST_REPLICA
-    ),
-) -> tf.Variable:
-    """Returns a non-trainable variable that replicas write without syncing.
-
-    Under `tf.distribute` it is an `ON_READ` variable: each replica assigns
-    its own copy. By default a read returns the first replica's: use that
-    for state computed from values that are the same on every replica (true
-    gradients). With `tf.VariableAggregation.SUM` a read adds the replicas'
-    copies, as Keras' metric state does. Create it outside any traced
-    function (`tf.init_scope`).
+def state_variable(
+    shape: Sequence[int], dtype: str, name: str, summed: bool = False
+) -> Any:
+    """Returns a zero-initialized variable for custom_fit's own state.
 
     Args:
-        initial_value: Tensor or number, the initial value (fixes shape and
-            dtype).
-        name: String, the variable's name.
-        aggregation: How a read combines the replicas' copies.
+        shape: The variable's shape.
+        dtype: Its dtype.
+        name: Its name.
+        summed: Bool. Under `tf.distribute`, a read sums the replicas'
+            copies (metric totals) instead of taking the first one.
 
     Returns:
-        A `tf.Variable`.
+        A variable of the backend in use.
     """
-    return tf.Variable(
-        initial_value,
-        trainable=False,
-        synchronization=tf.VariableSynchronization.ON_READ,
-        aggregation=aggregation,
-        name=name,
-    )
+    return backend.current().state_variable(tuple(shape), dtype, name, summed)
+
+
+class StateHolder(keras.metrics.Metric):
+    """Lists a model's custom_fit state so that it travels with the step.
+
+    It is one of the model's metrics (so Keras carries its variables in the
+    state of a JAX step and writes them back), but it reports nothing and
+    is not reset between epochs. Optimizers that update networks of the
+    model through `minimize` are listed here too: their variables are part
+    of the step's state as well.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(name="custom_fit_state")
+        self._state: list[Variable] = []
+        self._optimizers: list[keras.optimizers.Optimizer] = []
+
+    def track(self, variable: Variable) -> None:
+        """Adds a state variable."""
+        self._state.append(variable)
+
+    def track_optimizer(self, optimizer: keras.optimizers.Optimizer) -> None:
+        """Adds an optimizer whose variables the step updates."""
+        if all(optimizer is not known for known in self._optimizers):
+            self._optimizers.append(optimizer)
+
+    @property
+    def variables(self) -> list[Variable]:
+        """The state variables, then those of the tracked optimizers."""
+        found = list(self._state)
+        for optimizer in self._optimizers:
+            found.extend(optimizer.variables)
+        return [v for v in found if isinstance(v, keras.Variable)]
+
+    def update_state(self, *args: Any, **kwargs: Any) -> None:
+        """Does nothing: the state is written by the mixins."""
+        del args, kwargs
+
+    def reset_state(self) -> None:
+        """Does nothing: the state outlives epochs."""
+
+    def result(self) -> dict[str, Any]:
+        """Returns no log entry."""
+        return {}

@@ -12,21 +12,22 @@ created at the first report of a name, and knows:
   MirroredStrategy's replica threads see it;
 - which kinds of step ("train", "test") of which driver report each name,
   so that a step returns only its own figures;
-- which reports wait for the step's verdict. With `skip_nonfinite`, a
-  step whose gradients are not finite updates no metric; reports made
-  during such a step are held and added with weight 0 when it is skipped.
-  The buffer is per thread, since MirroredStrategy traces each replica in a
-  thread of its own.
+- what a guarded step must undo. With `skip_nonfinite`, a step whose
+  gradients are not finite updates no metric: the state of each metric
+  reported during the step is kept at its first report and written back
+  when the step is skipped. What is kept is per thread, since
+  MirroredStrategy traces each replica in a thread of its own.
 """
 
 import threading
 from typing import Any
 
 import keras
-import tensorflow as tf
+from keras import ops
 
 from custom_fit import _scalar_metrics
 from custom_fit import _validation
+from custom_fit import backend
 
 REDUCTIONS = ("mean", "sum")
 _METRIC_CLASSES = {
@@ -76,7 +77,7 @@ class StepMetrics:
         reduction: str = "mean",
         held: bool = True,
     ) -> None:
-        """Updates (or holds) the metric `name` of `model` with `value`.
+        """Updates the metric `name` of `model` with `value`.
 
         Args:
             model: The reporting model.
@@ -84,50 +85,50 @@ class StepMetrics:
             value: Numeric scalar.
             sample_weight: Optional scalar weight.
             reduction: One of `REDUCTIONS`.
-            held: Bool. When false the update is never held (the count of
-                skipped steps itself).
+            held: Bool. When false the update is never undone (the count
+                of skipped steps itself).
         """
         if self.muted:
             return
         key = self.key(model, name)
         metric = self._metric(key, reduction)
         value = _validation.scalar_tensor(value, "The reported metric", name)
-        value = tf.cast(value, tf.float32)
+        value = ops.cast(value, "float32")
         if reduction == "sum":
             # A Sum metric adds every replica's update: count on one only.
-            context = tf.distribute.get_replica_context()
-            if context is not None and context.num_replicas_in_sync > 1:
-                first = tf.equal(context.replica_id_in_sync_group, 0)
-                value = value * tf.cast(first, value.dtype)
-        pending = getattr(self._held, "updates", None)
-        if held and pending is not None:
-            pending.append((metric, value, sample_weight))
-        else:
-            metric.update_state(value, sample_weight=sample_weight)
+            value = backend.current().on_first_replica(value)
+        kept = getattr(self._held, "before", None)
+        if held and kept is not None and key not in kept:
+            # First report in a guarded step: keep the metric's state.
+            read = backend.current().read
+            kept[key] = (metric, [read(v) for v in metric.state_variables()])
+        metric.update_state(value, sample_weight=sample_weight)
         self.kinds.setdefault(key, set()).add(self.step())
 
     def hold(self) -> None:
-        """Starts holding this thread's reports until `release`."""
-        self._held.updates = []
+        """Starts keeping, in this thread, the state of reported metrics.
 
-    def release(self, counted: tf.Tensor | None) -> None:
-        """Applies the held reports; with weight 0 unless `counted`.
+        Until `release`, the first report of each metric keeps its state
+        as it was before the step (a read placed before the update, so it
+        holds at every execution of a traced step).
+        """
+        self._held.before = {}
+
+    def release(self, counted: Any) -> None:
+        """Restores the kept metric state unless the step `counted`.
 
         Args:
-            counted: Boolean scalar tensor, or `None` (count them).
+            counted: Boolean scalar tensor, or `None` (keep the updates).
         """
-        pending = getattr(self._held, "updates", None) or []
-        self._held.updates = None
-        for metric, value, weight in pending:
-            if counted is not None:
-                keep = tf.cast(counted, tf.float32)
-                value = tf.where(counted, value, tf.zeros_like(value))
-                weight = (
-                    keep
-                    if weight is None
-                    else keep * tf.cast(weight, tf.float32)
-                )
-            metric.update_state(value, sample_weight=weight)
+        kept = getattr(self._held, "before", None) or {}
+        self._held.before = None
+        if counted is None:
+            return
+        skipped = ops.logical_not(counted)
+        for metric, values in kept.values():
+            backend.current().restore_if(
+                skipped, metric.state_variables(), values
+            )
 
     def _metric(self, key: str, reduction: str) -> keras.metrics.Metric:
         """Returns the metric behind `key`, creating it on first use."""
@@ -147,7 +148,7 @@ class StepMetrics:
                     "report other figures under other names."
                 )
             # Lift the variables out of the traced step; they are made once.
-            with tf.init_scope():
+            with backend.current().creation_scope():
                 metric = _METRIC_CLASSES[reduction](name=key)
             self.metrics[key] = metric
         elif not isinstance(metric, _METRIC_CLASSES[reduction]):

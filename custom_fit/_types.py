@@ -1,31 +1,38 @@
-"""Type aliases used in the annotations of the public API."""
+"""Type aliases used in the annotations of the public API.
+
+They name what a value is without importing a backend: a tensor is the
+backend's (a `tf.Tensor`, a `jax.Array`), and custom_fit works on every
+backend Keras supports.
+"""
 
 from collections.abc import Callable
 from typing import Any
 from typing import TypeAlias
 
 import keras
-import tensorflow as tf
 
-# One gradient of a list aligned with the variables: dense, sparse (the
-# gradient of an `Embedding` or of `tf.gather`), or `None` (no gradient).
-Gradient: TypeAlias = tf.Tensor | tf.IndexedSlices | None
+# A tensor of the Keras backend in use.
+Tensor: TypeAlias = Any
+
+# One gradient of a list aligned with the variables: dense, sparse (on
+# TensorFlow, the `tf.IndexedSlices` gradient of an `Embedding`), or `None`
+# (no gradient).
+Gradient: TypeAlias = Any
 Gradients: TypeAlias = list[Gradient]
 
-# A model variable: Keras 3 wraps a `tf.Variable` in its own class.
-Variable: TypeAlias = keras.Variable | tf.Variable
+# A model variable.
+Variable: TypeAlias = keras.Variable
 
 # A weight as the pure functions read it: a variable or a tensor of values.
-Weight: TypeAlias = keras.Variable | tf.Variable | tf.Tensor
+Weight: TypeAlias = Any
 
 # A scalar: a rank-0 tensor or a Python number.
-Scalar: TypeAlias = tf.Tensor | float
+Scalar: TypeAlias = Any
 
 # The logs of a step or an epoch: metric name to result.
 Logs: TypeAlias = dict[str, Any]
 
 Optimizer: TypeAlias = keras.optimizers.Optimizer
 
-# Keras' train or test function: called on the data iterator, returns the
-# logs.
-StepFunction: TypeAlias = Callable[[Any], Logs]
+# Keras' train or test function.
+StepFunction: TypeAlias = Callable[..., Any]

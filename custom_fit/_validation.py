@@ -11,8 +11,9 @@ from collections.abc import Callable
 from collections.abc import Collection
 from typing import Any
 
+import keras
 import numpy as np
-import tensorflow as tf
+from keras import ops
 
 # The largest integer option accepted: counters and step numbers are int32
 # on some backends (JAX without x64), and `%` by a larger number overflows.
@@ -311,7 +312,7 @@ def subset_of(
     return validate
 
 
-def scalar_tensor(value: Any, what: str, name: str) -> tf.Tensor:
+def scalar_tensor(value: Any, what: str, name: str) -> Any:
     """Returns `value` as a tensor after checking that it is a numeric scalar.
 
     Runs at trace time, where static shapes are known.
@@ -329,27 +330,31 @@ def scalar_tensor(value: Any, what: str, name: str) -> tf.Tensor:
             object), has a dtype other than floating point or integer
             (strings, bools), or has a rank other than 0.
     """
-    try:
-        tensor = tf.convert_to_tensor(value)
-    except (TypeError, ValueError) as error:
-        raise ValueError(
-            f"{what} {name!r} must be a number or a scalar tensor. "
-            f"Received: {name}={value!r} of type {type(value).__name__}. "
-            "Return a scalar tensor, for instance with `ops.mean`."
-        ) from error
-    if not (tensor.dtype.is_floating or tensor.dtype.is_integer):
+    if isinstance(value, (str, bytes)):
+        dtype = "string"
+    else:
+        try:
+            value = ops.convert_to_tensor(value)
+        except (TypeError, ValueError) as error:
+            raise ValueError(
+                f"{what} {name!r} must be a number or a scalar tensor. "
+                f"Received: {name}={value!r} of type {type(value).__name__}. "
+                "Return a scalar tensor, for instance with `ops.mean`."
+            ) from error
+        dtype = keras.backend.standardize_dtype(value.dtype)
+    if not dtype.startswith(("float", "int", "uint", "bfloat")):
         raise ValueError(
             f"{what} {name!r} must have a floating-point or integer dtype. "
-            f"Received: {name}={value!r} of dtype {tensor.dtype.name}. "
+            f"Received: {name}={value!r} of dtype {dtype}. "
             "Return a numeric scalar, for instance with `ops.mean`."
         )
-    if tensor.shape.rank != 0:
+    if len(value.shape) != 0:
         raise ValueError(
             f"{what} {name!r} must be a scalar. Received: {name}=<tensor of "
-            f"shape {tensor.shape}>. Reduce it to a scalar first, for instance "
-            "with `ops.mean`."
+            f"shape {tuple(value.shape)}>. Reduce it to a scalar first, for "
+            "instance with `ops.mean`."
         )
-    return tensor
+    return value
 
 
 def path(name: str, value: Any, example: str) -> str:

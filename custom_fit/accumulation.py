@@ -10,28 +10,33 @@ per update. With SGD and equal micro-batches, `steps` micro-batches of size
 `B` then give the update of one batch of `steps * B`, clipped.
 """
 
+from collections.abc import Callable
 from collections.abc import Sequence
 
-import tensorflow as tf
+import keras
+from keras import ops
 
+from custom_fit import _gradient_ops
 from custom_fit import _state
 from custom_fit._types import Gradient
 from custom_fit._types import Gradients
+from custom_fit._types import Tensor
 from custom_fit._types import Variable
 
 
 class GradientAccumulator:
     """Averages true gradients over `steps` consecutive calls.
 
-    The running sums live in non-trainable variables (one per model
-    variable, in its dtype; `tf.IndexedSlices` are summed densely), created
-    here, outside any traced function. Under `tf.distribute` each replica
-    keeps its own copy; the gradients it receives are already summed across
-    replicas, so the copies agree.
+    The running sums live in non-trainable state variables (one per model
+    variable, in its dtype; sparse gradients are summed densely). Under
+    `tf.distribute` each replica keeps its own copy; the gradients it
+    receives are already summed across replicas, so the copies agree.
 
     Args:
         variables: The variables whose gradients are accumulated.
         steps: Integer >= 2, the number of micro-batches per update.
+        track: Optional callable receiving each state variable made, so
+            that the model's state lists it (see `custom_fit._state`).
 
     Example:
 
@@ -43,22 +48,29 @@ class GradientAccumulator:
     ```
     """
 
-    def __init__(self, variables: Sequence[Variable], steps: int) -> None:
+    def __init__(
+        self,
+        variables: Sequence[Variable],
+        steps: int,
+        track: Callable[[Variable], None] | None = None,
+    ) -> None:
         self.steps = steps
-        with tf.init_scope():
-            self.count = _state.local_variable(
-                tf.constant(0, tf.int64), "count"
+        self.count = _state.state_variable((), "int32", "count")
+        self.sums = [
+            _state.state_variable(
+                variable.shape,
+                keras.backend.standardize_dtype(variable.dtype),
+                "gradient_sum",
             )
-            self.sums = [
-                _state.local_variable(
-                    tf.zeros(variable.shape, variable.dtype), "gradient_sum"
-                )
-                for variable in variables
-            ]
+            for variable in variables
+        ]
+        for made in (self.count, *self.sums):
+            if track is not None:
+                track(made)
 
     def accumulate(
         self, gradients: Sequence[Gradient]
-    ) -> tuple[Gradients, tf.Tensor]:
+    ) -> tuple[Gradients, Tensor]:
         """Adds `gradients` to the sums; returns their mean and the flag.
 
         Args:
@@ -72,17 +84,21 @@ class GradientAccumulator:
             included (meaningful when `is_update` is true). On that call the
             sums are reset to zero.
         """
-        is_update = tf.equal((self.count + 1) % self.steps, 0)
+        count = ops.convert_to_tensor(self.count)
+        is_update = ops.equal((count + 1) % self.steps, 0)
         means: Gradients = []
         for gradient, running_sum in zip(gradients, self.sums):
             if gradient is None:
                 means.append(None)
                 continue
-            total = running_sum + tf.cast(
-                tf.convert_to_tensor(gradient), running_sum.dtype
+            current = ops.convert_to_tensor(running_sum)
+            total = current + ops.cast(
+                _gradient_ops.dense(gradient), current.dtype
             )
-            running_sum.assign(tf.where(is_update, tf.zeros_like(total), total))
-            mean = total / tf.cast(self.steps, total.dtype)
-            means.append(tf.cast(mean, gradient.dtype))
-        self.count.assign((self.count + 1) % self.steps)
+            running_sum.assign(
+                ops.where(is_update, ops.zeros_like(total), total)
+            )
+            mean = total / ops.cast(self.steps, total.dtype)
+            means.append(ops.cast(mean, gradient.dtype))
+        self.count.assign((count + 1) % self.steps)
         return means, is_update

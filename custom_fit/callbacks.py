@@ -245,11 +245,14 @@ class GradientTensorBoard(keras.callbacks.Callback):
         _check_inspected(self, self.model)
         try:
             import tensorboard  # noqa: F401  (tf.summary writes with it)
+            import tensorflow  # noqa: F401
         except ImportError as error:
             raise ImportError(
-                "GradientTensorBoard writes with tf.summary, which needs the "
-                "`tensorboard` package (TensorFlow 2.21 no longer installs "
-                "it). Install it with `pip install tensorboard`."
+                "GradientTensorBoard writes TensorBoard events with "
+                "tf.summary, which needs the `tensorflow` and `tensorboard` "
+                "packages (on every Keras backend, as Keras' own TensorBoard "
+                f"callback does). Missing: {error.name}. Install them with "
+                "`pip install 'custom-fit[tensorflow]'`."
             ) from error
         keeps_gradients = bool(self.model.keep_gradients)
         if self.histograms and not keeps_gradients:

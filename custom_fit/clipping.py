@@ -1,10 +1,10 @@
 """Gradient clipping as pure functions on lists of gradients.
 
-Each function takes a list of gradients (dense tensors, `tf.IndexedSlices`
-or `None`) and returns a new list of the same length, with `None` passed
-through untouched. They hold no state and work in eager mode, inside
-`tf.function` and under XLA, so they can be used on their own in a
-hand-written loop:
+Each function takes a list of gradients (dense tensors of the Keras backend,
+`tf.IndexedSlices` on TensorFlow, or `None`) and returns a new list of the
+same length, with `None` passed through untouched. They are written with
+`keras.ops`, hold no state, and work eagerly, inside `tf.function`, under
+XLA and `jax.jit`, so they can be used on their own in a hand-written loop:
 
 ```python
 grads = tape.gradient(loss, model.trainable_variables)
@@ -20,11 +20,12 @@ gradient. Norms are accumulated in float32.
 from collections.abc import Hashable
 from collections.abc import Sequence
 
-import tensorflow as tf
+from keras import ops
 
 from custom_fit import _gradient_ops
 from custom_fit._types import Gradient
 from custom_fit._types import Gradients
+from custom_fit._types import Tensor
 from custom_fit._types import Weight
 
 # Smallest gradient norm divided by in adaptive clipping, as in the NFNet
@@ -32,7 +33,7 @@ from custom_fit._types import Weight
 _ADAPTIVE_GRADIENT_NORM_FLOOR = 1e-6
 
 
-def global_norm(gradients: Sequence[Gradient]) -> tf.Tensor:
+def global_norm(gradients: Sequence[Gradient]) -> Tensor:
     """Returns the L2 norm of all gradients taken together.
 
     Args:
@@ -50,11 +51,11 @@ def global_norm(gradients: Sequence[Gradient]) -> tf.Tensor:
     """
     squares = [_gradient_ops.squared_sum(g) for g in gradients if g is not None]
     if not squares:
-        return tf.constant(0.0)
-    return tf.sqrt(tf.add_n(squares))
+        return ops.convert_to_tensor(0.0, "float32")
+    return ops.sqrt(_gradient_ops.add_all(squares))
 
 
-def all_finite(gradients: Sequence[Gradient]) -> tf.Tensor:
+def all_finite(gradients: Sequence[Gradient]) -> Tensor:
     """Returns whether every entry of every gradient is finite.
 
     Args:
@@ -71,8 +72,10 @@ def all_finite(gradients: Sequence[Gradient]) -> tf.Tensor:
     """
     flags = [_gradient_ops.is_finite(g) for g in gradients if g is not None]
     if not flags:
-        return tf.constant(True)
-    return tf.reduce_all(tf.stack(flags))
+        return ops.convert_to_tensor(True)
+    if len(flags) == 1:
+        return flags[0]
+    return ops.all(ops.stack(flags))
 
 
 def clip_by_value(gradients: Sequence[Gradient], clipvalue: float) -> Gradients:
@@ -95,30 +98,28 @@ def clip_by_value(gradients: Sequence[Gradient], clipvalue: float) -> Gradients:
     """
     return [
         _gradient_ops.map_values(
-            lambda v: tf.clip_by_value(v, -clipvalue, clipvalue),
+            lambda v: ops.clip(v, -clipvalue, clipvalue),
             _gradient_ops.deduplicate(g),
         )
         for g in gradients
     ]
 
 
-def _scale(
-    gradient: tf.Tensor | tf.IndexedSlices, factor: tf.Tensor
-) -> Gradient:
+def _scale(gradient: Gradient, factor: Tensor) -> Gradient:
     """Multiplies `gradient` by a float32 scalar `factor`."""
     return _gradient_ops.map_values(
-        lambda v: v * tf.cast(factor, v.dtype), gradient
+        lambda v: v * ops.cast(factor, v.dtype), gradient
     )
 
 
-def _clip_factor(norm: tf.Tensor, max_norm: float) -> tf.Tensor:
+def _clip_factor(norm: Tensor, max_norm: float) -> Tensor:
     """Returns `max_norm / norm` above the bound, else 1 (also at norm 0).
 
     The division is only taken where `norm > max_norm > 0`, so a zero norm
     (all-zero sample weights) or a tiny bound never gives 0/0.
     """
-    safe_norm = tf.maximum(norm, max_norm)
-    return tf.where(norm > max_norm, max_norm / safe_norm, tf.ones_like(norm))
+    safe_norm = ops.maximum(norm, max_norm)
+    return ops.where(norm > max_norm, max_norm / safe_norm, ops.ones_like(norm))
 
 
 def clip_by_norm(gradients: Sequence[Gradient], clipnorm: float) -> Gradients:
@@ -145,7 +146,7 @@ def clip_by_norm(gradients: Sequence[Gradient], clipnorm: float) -> Gradients:
             clipped.append(None)
             continue
         g = _gradient_ops.deduplicate(g)
-        norm = tf.sqrt(_gradient_ops.squared_sum(g))
+        norm = ops.sqrt(_gradient_ops.squared_sum(g))
         clipped.append(_scale(g, _clip_factor(norm, clipnorm)))
     return clipped
 
@@ -236,7 +237,7 @@ def clip_by_group_norm(
     return clipped
 
 
-def unit_norms(tensor: tf.Tensor) -> tf.Tensor:
+def unit_norms(tensor: Tensor) -> Tensor:
     """Returns the L2 norm of each unit of `tensor`, for adaptive clipping.
 
     A unit is a slice along the last axis (an output unit of a `Dense` or
@@ -255,12 +256,12 @@ def unit_norms(tensor: tf.Tensor) -> tf.Tensor:
     array([[5., 1.]], dtype=float32)
     ```
     """
-    squares = tf.square(tf.cast(tensor, tf.float32))
-    rank = tensor.shape.rank
-    if rank is None or rank <= 1:
-        return tf.sqrt(tf.reduce_sum(squares))
-    return tf.sqrt(
-        tf.reduce_sum(squares, axis=list(range(rank - 1)), keepdims=True)
+    squares = ops.square(ops.cast(tensor, "float32"))
+    rank = len(tensor.shape)
+    if rank <= 1:
+        return ops.sqrt(ops.sum(squares))
+    return ops.sqrt(
+        ops.sum(squares, axis=tuple(range(rank - 1)), keepdims=True)
     )
 
 
@@ -320,18 +321,16 @@ def adaptive_clip(
             clipped.append(None)
             continue
         g = _gradient_ops.deduplicate(g)
-        weight_norm = unit_norms(tf.convert_to_tensor(variable))
-        max_norm = clipping * tf.maximum(weight_norm, eps)
+        weight_norm = unit_norms(ops.convert_to_tensor(variable))
+        max_norm = clipping * ops.maximum(weight_norm, eps)
 
-        def clip_values(
-            values: tf.Tensor, max_norm: tf.Tensor = max_norm
-        ) -> tf.Tensor:
+        def clip_values(values: Tensor, max_norm: Tensor = max_norm) -> Tensor:
             grad_norm = unit_norms(values)
-            factor = max_norm / tf.maximum(
+            factor = max_norm / ops.maximum(
                 grad_norm, _ADAPTIVE_GRADIENT_NORM_FLOOR
             )
-            factor = tf.where(grad_norm > max_norm, factor, 1.0)
-            return values * tf.cast(factor, values.dtype)
+            factor = ops.where(grad_norm > max_norm, factor, 1.0)
+            return values * ops.cast(factor, values.dtype)
 
         clipped.append(_gradient_ops.map_values(clip_values, g))
     return clipped

@@ -15,10 +15,11 @@ from collections.abc import Callable
 from collections.abc import Hashable
 from collections.abc import Sequence
 
-import tensorflow as tf
+from keras import ops
 
 from custom_fit import _gradient_ops
 from custom_fit._types import Gradient
+from custom_fit._types import Tensor
 from custom_fit._types import Weight
 
 # Statistics that `GradientInspectionMixin(gradient_statistics=...)` offers
@@ -30,43 +31,36 @@ _WEIGHT_NORM_FLOOR = 1e-12
 
 
 def _per_group(
-    values: Sequence[tf.Tensor | None],
+    values: Sequence[Tensor | None],
     groups: Sequence[Hashable],
     order: Sequence[Hashable],
-    combine: Callable[[tf.Tensor], tf.Tensor],
-) -> tf.Tensor:
+    combine: Callable[..., Tensor],
+) -> Tensor:
     """Combines per-gradient scalars into one value per group in `order`.
 
     A sum is one `add_n` per group (a group of one costs nothing); other
     reductions stack the group's values first.
     """
-    members: dict[Hashable, list[tf.Tensor]] = {key: [] for key in order}
+    members: dict[Hashable, list[Tensor]] = {key: [] for key in order}
     for value, key in zip(values, groups):
         if value is not None and key in members:
             members[key].append(value)
 
-    def combined(items: list[tf.Tensor]) -> tf.Tensor:
+    def combined(items: list[Tensor]) -> Tensor:
         if not items:
-            return tf.constant(0.0)
-        if combine is tf.reduce_sum:
-            return tf.add_n(items)
-        return combine(tf.stack(items))
+            return ops.convert_to_tensor(0.0, "float32")
+        if combine is ops.sum:
+            return _gradient_ops.add_all(items)
+        return combine(ops.stack(items))
 
-    return tf.stack([combined(items) for items in members.values()])
-
-
-def _dense_size(gradient: tf.Tensor | tf.IndexedSlices) -> tf.Tensor:
-    """Returns the number of entries of the dense equivalent, as float32."""
-    if isinstance(gradient, tf.IndexedSlices):
-        return tf.cast(tf.reduce_prod(gradient.dense_shape), tf.float32)
-    return tf.cast(tf.size(gradient), tf.float32)
+    return ops.stack([combined(items) for items in members.values()])
 
 
 def group_norms(
     gradients: Sequence[Gradient],
     groups: Sequence[Hashable],
     order: Sequence[Hashable],
-) -> tf.Tensor:
+) -> Tensor:
     """Returns the joint L2 norm of each group's gradients.
 
     Args:
@@ -85,14 +79,14 @@ def group_norms(
     array([5., 1.], dtype=float32)
     ```
     """
-    return tf.sqrt(group_squared_norms(gradients, groups, order))
+    return ops.sqrt(group_squared_norms(gradients, groups, order))
 
 
 def group_squared_norms(
     gradients: Sequence[Gradient],
     groups: Sequence[Hashable],
     order: Sequence[Hashable],
-) -> tf.Tensor:
+) -> Tensor:
     """Returns the sum of squared gradient entries of each group.
 
     The squares of `group_norms`; their sum is the squared global norm, so
@@ -118,14 +112,14 @@ def group_squared_norms(
     squares = [
         None if g is None else _gradient_ops.squared_sum(g) for g in gradients
     ]
-    return _per_group(squares, groups, order, tf.reduce_sum)
+    return _per_group(squares, groups, order, ops.sum)
 
 
 def group_max_abs(
     gradients: Sequence[Gradient],
     groups: Sequence[Hashable],
     order: Sequence[Hashable],
-) -> tf.Tensor:
+) -> Tensor:
     """Returns the largest absolute gradient entry of each group.
 
     Args:
@@ -146,24 +140,24 @@ def group_max_abs(
     maxima = [
         None
         if g is None
-        else tf.reduce_max(
-            tf.abs(
-                tf.cast(
+        else ops.max(
+            ops.abs(
+                ops.cast(
                     _gradient_ops.values_of(_gradient_ops.deduplicate(g)),
-                    tf.float32,
+                    "float32",
                 )
             )
         )
         for g in gradients
     ]
-    return _per_group(maxima, groups, order, tf.reduce_max)
+    return _per_group(maxima, groups, order, ops.max)
 
 
 def group_zero_fraction(
     gradients: Sequence[Gradient],
     groups: Sequence[Hashable],
     order: Sequence[Hashable],
-) -> tf.Tensor:
+) -> Tensor:
     """Returns the fraction of exactly-zero gradient entries of each group.
 
     A high fraction flags dead units (a ReLU that never fires passes back
@@ -185,30 +179,30 @@ def group_zero_fraction(
     array([0.5], dtype=float32)
     ```
     """
-    zeros: list[tf.Tensor | None] = []
-    sizes: list[tf.Tensor | None] = []
+    zeros: list[Tensor | None] = []
+    sizes: list[Tensor | None] = []
     for g in gradients:
         if g is None:
             zeros.append(None)
             sizes.append(None)
             continue
         g = _gradient_ops.deduplicate(g)
-        size = _dense_size(g)
-        nonzero = tf.cast(
-            tf.math.count_nonzero(_gradient_ops.values_of(g)), tf.float32
+        size = _gradient_ops.dense_size(g)
+        nonzero = ops.cast(
+            ops.count_nonzero(_gradient_ops.values_of(g)), "float32"
         )
         zeros.append(size - nonzero)
         sizes.append(size)
-    zero_counts = _per_group(zeros, groups, order, tf.reduce_sum)
-    total_sizes = _per_group(sizes, groups, order, tf.reduce_sum)
-    return tf.math.divide_no_nan(zero_counts, total_sizes)
+    zero_counts = _per_group(zeros, groups, order, ops.sum)
+    total_sizes = _per_group(sizes, groups, order, ops.sum)
+    return ops.divide_no_nan(zero_counts, total_sizes)
 
 
 def group_nonfinite_count(
     gradients: Sequence[Gradient],
     groups: Sequence[Hashable],
     order: Sequence[Hashable],
-) -> tf.Tensor:
+) -> Tensor:
     """Returns the number of NaN or infinite gradient entries of each group.
 
     Args:
@@ -230,15 +224,15 @@ def group_nonfinite_count(
     counts = [
         None
         if g is None
-        else tf.reduce_sum(
-            tf.cast(
-                tf.logical_not(tf.math.is_finite(_gradient_ops.values_of(g))),
-                tf.float32,
+        else ops.sum(
+            ops.cast(
+                ops.logical_not(ops.isfinite(_gradient_ops.values_of(g))),
+                "float32",
             )
         )
         for g in gradients
     ]
-    return _per_group(counts, groups, order, tf.reduce_sum)
+    return _per_group(counts, groups, order, ops.sum)
 
 
 def update_ratios(
@@ -246,7 +240,7 @@ def update_ratios(
     after: Sequence[Weight],
     groups: Sequence[Hashable],
     order: Sequence[Hashable],
-) -> tf.Tensor:
+) -> Tensor:
     """Returns, per group, the norm of the update over the norm of the weights.
 
     The ratio `||w_after - w_before|| / ||w_before||` is the usual check on a
@@ -271,18 +265,16 @@ def update_ratios(
     ```
     """
     updates = [
-        tf.reduce_sum(
-            tf.square(tf.cast(a, tf.float32) - tf.cast(b, tf.float32))
-        )
+        ops.sum(ops.square(ops.cast(a, "float32") - ops.cast(b, "float32")))
         for a, b in zip(after, before)
     ]
-    weights = [tf.reduce_sum(tf.square(tf.cast(b, tf.float32))) for b in before]
-    update_norms = tf.sqrt(_per_group(updates, groups, order, tf.reduce_sum))
-    weight_norms = tf.sqrt(_per_group(weights, groups, order, tf.reduce_sum))
-    return update_norms / tf.maximum(weight_norms, _WEIGHT_NORM_FLOOR)
+    weights = [ops.sum(ops.square(ops.cast(b, "float32"))) for b in before]
+    update_norms = ops.sqrt(_per_group(updates, groups, order, ops.sum))
+    weight_norms = ops.sqrt(_per_group(weights, groups, order, ops.sum))
+    return update_norms / ops.maximum(weight_norms, _WEIGHT_NORM_FLOOR)
 
 
-GROUP_STATISTICS: dict[str, Callable[..., tf.Tensor]] = {
+GROUP_STATISTICS: dict[str, Callable[..., Tensor]] = {
     "norm": group_norms,
     "max_abs": group_max_abs,
     "zero_fraction": group_zero_fraction,

@@ -1,27 +1,27 @@
 """True gradients in, optimizer update out: the two ends of the pipeline.
 
-Between `tape.gradient` and `optimizer.apply`, Keras leaves gradients in a
+Between differentiation and `optimizer.apply`, Keras leaves gradients in a
 state that is wrong for anything that inspects or modifies them:
 
 - **Loss-scaled.** Under mixed precision (`LossScaleOptimizer`, which
   `compile` adds for the `"mixed_float16"` policy) or with an optimizer's
   `loss_scale_factor`, they are multiplied by the loss scale, and the
   optimizer divides it out only inside `apply`.
-- **Per replica.** Under `tf.distribute`, each replica holds the gradient of
-  its share of the global batch (scaled by `1 / num_replicas`); the
-  optimizer sums them across replicas only inside `apply`, after its own
-  clipping.
+- **Per replica** (TensorFlow). Under `tf.distribute`, each replica holds
+  the gradient of its share of the global batch (scaled by
+  `1 / num_replicas`); the optimizer sums them across replicas only inside
+  `apply`, after its own clipping. (On JAX, a step under
+  `keras.distribution` is traced over the global batch: its gradients are
+  already the global ones.)
 
-`compute_true_gradients` undoes both at once, so its result equals the
+`true_gradients` undoes both at once, so its result equals the
 single-device gradient of the global batch. `apply_true_gradients` hands
 such gradients to the optimizer without the optimizer unscaling or summing
-them a second time.
+them a second time. A custom_fit model's `compute_gradients` hook returns
+true gradients already; these functions serve hand-written steps:
 
 ```python
-with tf.GradientTape() as tape:
-    loss = ...
-    scaled_loss = optimizer.scale_loss(loss)
-grads = compute_true_gradients(tape, scaled_loss, variables, optimizer)
+loss, _, grads = model.compute_gradients(loss_function, variables)
 grads = custom_fit.clipping.clip_by_global_norm(grads, 1.0)
 apply_true_gradients(optimizer, grads, variables)
 ```
@@ -32,11 +32,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import keras
-import tensorflow as tf
+from keras import ops
 
 from custom_fit import _gradient_ops
+from custom_fit import backend
 from custom_fit._types import Gradient
 from custom_fit._types import Gradients
+from custom_fit._types import Tensor
 from custom_fit._types import Variable
 
 _OPTIMIZER_CLIPPING_ARGUMENTS = ("clipnorm", "clipvalue", "global_clipnorm")
@@ -44,7 +46,7 @@ _OPTIMIZER_CLIPPING_ARGUMENTS = ("clipnorm", "clipvalue", "global_clipnorm")
 
 def loss_scale(
     optimizer: keras.optimizers.Optimizer | None,
-) -> float | tf.Tensor | None:
+) -> float | Tensor | None:
     """Returns the factor by which `optimizer.scale_loss` multiplies a loss.
 
     Args:
@@ -57,7 +59,7 @@ def loss_scale(
     """
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         if optimizer.built:
-            return tf.convert_to_tensor(optimizer.dynamic_scale)
+            return ops.convert_to_tensor(optimizer.dynamic_scale)
         return optimizer.initial_scale
     return getattr(optimizer, "loss_scale_factor", None)
 
@@ -66,19 +68,17 @@ def replica_count() -> int:
     """Returns the number of replicas whose gradients are summed per step.
 
     Returns:
-        `num_replicas_in_sync` of the current replica context, or 1 outside
-        any (cross-replica context).
+        On TensorFlow, `num_replicas_in_sync` of the current replica
+        context, or 1 outside any (cross-replica context). On JAX, 1: a
+        step is traced over the global batch.
     """
-    context = tf.distribute.get_replica_context()
-    if context is None:
-        return 1
-    return context.num_replicas_in_sync
+    return backend.current().replica_count()
 
 
 def _multiply(
     gradients: Sequence[Gradient],
     variables: Sequence[Variable],
-    factor: float | tf.Tensor,
+    factor: float | Tensor,
 ) -> Gradients:
     """Multiplies each gradient by `factor`.
 
@@ -89,43 +89,63 @@ def _multiply(
         g
         if g is None or getattr(v, "overwrite_with_gradient", False)
         else _gradient_ops.map_values(
-            lambda values: values * tf.cast(factor, values.dtype), g
+            lambda values: values * ops.cast(factor, values.dtype), g
         )
         for g, v in zip(gradients, variables)
     ]
 
 
-def compute_true_gradients(
-    tape: tf.GradientTape,
-    scaled_loss: tf.Tensor,
+def true_gradients(
+    gradients: Sequence[Gradient],
     variables: Sequence[Variable],
     optimizer: keras.optimizers.Optimizer | None,
 ) -> Gradients:
-    """Returns the unscaled gradients of the global batch.
+    """Returns the gradients of the unscaled loss on the global batch.
 
-    Call it in the replica context of a training step (inside `train_step`,
-    or a function run by `strategy.run`), with the loss returned by
-    `optimizer.scale_loss`.
+    Call it in the step (in the replica context under `tf.distribute`),
+    on the gradients of the loss that `optimizer.scale_loss` returned.
 
     Args:
-        tape: The `tf.GradientTape` that recorded `scaled_loss`.
-        scaled_loss: Scalar tensor: the loss after `optimizer.scale_loss`
-            (under `tf.distribute`, the per-replica loss that Keras scales
-            by `1 / num_replicas`).
-        variables: List of the variables to differentiate.
+        gradients: List aligned with `variables`: the gradients of the
+            scaled loss of this replica (tensors, `tf.IndexedSlices` on
+            TensorFlow, or `None`).
+        variables: The variables they belong to.
         optimizer: The optimizer that scaled the loss, or `None`.
 
     Returns:
-        A list aligned with `variables`: tensors, `tf.IndexedSlices` or
-        `None`. They equal the gradient of the unscaled loss on one device
-        with the global batch: loss scale divided out, and summed across
-        replicas, so every replica holds the same values.
+        A list aligned with `variables`, equal to the gradient of the
+        unscaled loss on one device with the global batch: loss scale
+        divided out and, under `tf.distribute`, summed across replicas, so
+        every replica holds the same values.
     """
-    gradients = tape.gradient(scaled_loss, variables)
     scale = loss_scale(optimizer)
     if scale is not None:
         gradients = _multiply(gradients, variables, 1.0 / scale)
     return all_reduce_sum(gradients)
+
+
+def compute_true_gradients(
+    tape: Any,
+    scaled_loss: Tensor,
+    variables: Sequence[Variable],
+    optimizer: keras.optimizers.Optimizer | None,
+) -> Gradients:
+    """Returns the true gradients of a loss recorded on a TensorFlow tape.
+
+    `true_gradients` of `tape.gradient(scaled_loss, variables)`.
+
+    Args:
+        tape: The `tf.GradientTape` that recorded `scaled_loss`.
+        scaled_loss: Scalar tensor: the loss after `optimizer.scale_loss`.
+        variables: List of the variables to differentiate.
+        optimizer: The optimizer that scaled the loss, or `None`.
+
+    Returns:
+        A list aligned with `variables`; see `true_gradients`.
+    """
+    return true_gradients(
+        tape.gradient(scaled_loss, list(variables)), variables, optimizer
+    )
 
 
 def all_reduce_sum(gradients: Sequence[Gradient]) -> Gradients:
@@ -136,26 +156,17 @@ def all_reduce_sum(gradients: Sequence[Gradient]) -> Gradients:
 
     Returns:
         The list of summed gradients, identical on every replica (`None`
-        stays `None`); the input unchanged with a single replica.
+        stays `None`); the input unchanged with a single replica or on
+        JAX.
     """
-    if replica_count() == 1:
-        return list(gradients)
-    present = [g for g in gradients if g is not None]
-    if not present:
-        return list(gradients)
-    summed = iter(
-        tf.distribute.get_replica_context().all_reduce(
-            tf.distribute.ReduceOp.SUM, present
-        )
-    )
-    return [None if g is None else next(summed) for g in gradients]
+    return backend.current().all_reduce_sum(gradients)
 
 
 def apply_true_gradients(
     optimizer: keras.optimizers.Optimizer,
     gradients: Sequence[Gradient],
     variables: Sequence[Variable],
-    finite: tf.Tensor | None = None,
+    finite: Tensor | None = None,
 ) -> None:
     """Applies true gradients with `optimizer`, scaled so it sees them once.
 
@@ -191,7 +202,7 @@ def apply_true_gradients(
     if is_loss_scale_optimizer and finite is not None:
         # A NaN factor makes the LossScaleOptimizer see a non-finite step
         # even when clipping turned infinities into finite numbers.
-        factor = tf.where(finite, tf.cast(factor, tf.float32), float("nan"))
+        factor = ops.where(finite, ops.cast(factor, "float32"), float("nan"))
     if not isinstance(factor, float) or factor != 1.0:
         gradients = _multiply(gradients, variables, factor)
 
@@ -202,6 +213,7 @@ def apply_true_gradients(
             finite,
             lambda gradients: optimizer.apply(gradients, variables),
             args=(gradients,),
+            synchronized=True,
         )
 
 
@@ -228,66 +240,36 @@ def optimizer_clipping(
 
 
 def run_if(
-    condition: tf.Tensor,
+    condition: Tensor,
     function: Callable[..., object],
     args: tuple[Any, ...] = (),
+    synchronized: bool = False,
 ) -> None:
-    """Runs `function(*args)` only when `condition` is true, on every replica.
+    """Runs `function(*args)` only when `condition` is true.
 
-    Outside `tf.distribute` this is a `tf.cond`. Under a strategy, the
-    optimizer's `apply` synchronises replicas with a `merge_call`, which may
-    not sit in a `tf.cond` branch in replica context; the condition (the
-    same on every replica) is then evaluated in cross-replica context, as
-    `LossScaleOptimizer` does, and `function` runs on each replica with
-    that replica's `args`.
-
-    Pass every per-replica tensor `function` uses through `args`, not a
-    closure: inside the cross-replica branch a closure would hand every
-    replica the tensors of the replica that traced it, and Keras'
-    all-reduce then sees one value where it expects one per replica (a
-    wrong update). Variables may be captured.
+    On TensorFlow a `tf.cond`; for functions that synchronise replicas
+    under `tf.distribute` (the optimizer's `apply`), pass
+    `synchronized=True`: the condition is then evaluated in cross-replica
+    context, and `function` runs on each replica with that replica's
+    `args` (pass every per-replica tensor through `args`, not a closure).
+    On JAX, `function` runs and every state it changed is selected
+    between the new and the old value by `condition`.
 
     Args:
         condition: Boolean scalar tensor, the same on every replica.
         function: Callable; its return value is dropped.
-        args: Tuple of (nested) per-replica tensors passed to `function`.
+        args: Tuple of (nested) tensors passed to `function`.
+        synchronized: Bool. Whether `function` synchronises replicas.
     """
-
-    def run() -> tf.Tensor:
-        function(*args)
-        return tf.constant(True)
-
-    def skip() -> tf.Tensor:
-        return tf.constant(False)
-
-    if _outside_replica_context():
-        tf.cond(condition, run, skip)
-        return
-
-    def cross_replica(
-        strategy: tf.distribute.Strategy,
-        condition: tf.Tensor,
-        args: tuple[Any, ...],
-    ) -> None:
-        first = strategy.experimental_local_results(condition)[0]
-
-        def run_on_each_replica() -> tf.Tensor:
-            strategy.extended.call_for_each_replica(function, args=args)
-            return tf.constant(True)
-
-        tf.cond(first, run_on_each_replica, skip)
-
-    tf.distribute.get_replica_context().merge_call(
-        cross_replica, args=(condition, tuple(args))
-    )
+    backend.current().run_if(condition, function, args, synchronized)
 
 
 def assign_variables(
-    variables: Sequence[Variable], values: Sequence[tf.Tensor]
+    variables: Sequence[Variable], values: Sequence[Any]
 ) -> None:
-    """Assigns `values` to model variables, in replica context too.
+    """Assigns `values` to model variables, in a replica context too.
 
-    Keras model variables are mirrored under `tf.distribute` and refuse a
+    Under `tf.distribute`, Keras model variables are mirrored and refuse a
     plain `assign` in replica context; the values (the same on every
     replica) are then written through the strategy, as the optimizer does.
 
@@ -295,30 +277,4 @@ def assign_variables(
         variables: List of variables.
         values: List of tensors aligned with `variables`.
     """
-    if _outside_replica_context():
-        for variable, value in zip(variables, values):
-            variable.assign(value)
-        return
-
-    def cross_replica(
-        strategy: tf.distribute.Strategy, values: list[tf.Tensor]
-    ) -> None:
-        for variable, value in zip(variables, values):
-            strategy.extended.update(
-                getattr(variable, "value", variable),
-                lambda target, new: target.assign(new),
-                args=(value,),
-                group=False,
-            )
-
-    tf.distribute.get_replica_context().merge_call(
-        cross_replica, args=(list(values),)
-    )
-
-
-def _outside_replica_context() -> bool:
-    """Returns whether no strategy's replica context is current."""
-    return (
-        not tf.distribute.has_strategy()
-        or tf.distribute.in_cross_replica_context()
-    )
+    backend.current().assign_variables(variables, values)

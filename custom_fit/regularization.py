@@ -14,8 +14,10 @@ from collections.abc import Iterable
 from collections.abc import Sequence
 from typing import Any
 
-import tensorflow as tf
+from keras import ops
 
+from custom_fit import _gradient_ops
+from custom_fit._types import Tensor
 from custom_fit._types import Variable
 from custom_fit._types import Weight
 
@@ -77,7 +79,7 @@ def select_variables(
     return [v for v in variables if variable_name(v) in names]
 
 
-def l1_penalty(variables: Iterable[Weight], l1: float) -> tf.Tensor:
+def l1_penalty(variables: Iterable[Weight], l1: float) -> Tensor:
     """Returns `l1 * sum(|w|)` over `variables`, as `keras.regularizers.L1`.
 
     Args:
@@ -94,10 +96,10 @@ def l1_penalty(variables: Iterable[Weight], l1: float) -> tf.Tensor:
     1.5
     ```
     """
-    return l1 * _sum_over(variables, tf.abs)
+    return l1 * _sum_over(variables, ops.abs)
 
 
-def l2_penalty(variables: Iterable[Weight], l2: float) -> tf.Tensor:
+def l2_penalty(variables: Iterable[Weight], l2: float) -> Tensor:
     """Returns `l2 * sum(w**2)` over `variables`, as `keras.regularizers.L2`.
 
     Args:
@@ -114,14 +116,14 @@ def l2_penalty(variables: Iterable[Weight], l2: float) -> tf.Tensor:
     2.5
     ```
     """
-    return l2 * _sum_over(variables, tf.square)
+    return l2 * _sum_over(variables, ops.square)
 
 
 def input_gradient_penalty(
-    input_gradients: Sequence[tf.Tensor | None],
+    input_gradients: Sequence[Tensor | None],
     form: str = "squared_norm",
     sample_weight: Any = None,
-) -> tf.Tensor:
+) -> Tensor:
     """Returns the batch's penalty on per-sample input gradients.
 
     With `g_i` the gradient of sample `i`'s (unweighted) loss with respect to
@@ -187,36 +189,35 @@ def input_gradient_penalty(
             f"input_gradients={list(input_gradients)!r}. Pass the gradients "
             "of the inputs the loss depends on."
         )
-    squared = tf.add_n(norms)
+    squared = _gradient_ops.add_all(norms)
     if form == "squared_norm":
         per_sample = squared
     else:
-        per_sample = tf.square(tf.sqrt(squared + _NORM_EPSILON) - 1.0)
+        per_sample = ops.square(ops.sqrt(squared + _NORM_EPSILON) - 1.0)
     if sample_weight is None:
-        return tf.reduce_mean(per_sample)
-    weights = tf.cast(sample_weight, tf.float32)
-    weights = tf.reduce_mean(
-        tf.reshape(weights, [tf.shape(weights)[0], -1]), axis=1
-    )
-    batch_size = tf.cast(tf.shape(per_sample)[0], tf.float32)
-    return tf.reduce_sum(weights * per_sample) / batch_size
+        return ops.mean(per_sample)
+    weights = ops.cast(sample_weight, "float32")
+    if len(weights.shape) > 1:
+        weights = ops.mean(
+            ops.reshape(weights, (ops.shape(weights)[0], -1)), axis=1
+        )
+    batch_size = ops.cast(ops.shape(per_sample)[0], "float32")
+    return ops.sum(weights * per_sample) / batch_size
 
 
-def _per_sample_squared_norm(gradient: tf.Tensor) -> tf.Tensor:
+def _per_sample_squared_norm(gradient: Tensor) -> Tensor:
     """Returns the squared L2 norm of each row (sample) of `gradient`."""
-    gradient = tf.convert_to_tensor(gradient)
-    flat = tf.reshape(
-        tf.cast(gradient, tf.float32), [tf.shape(gradient)[0], -1]
-    )
-    return tf.reduce_sum(tf.square(flat), axis=1)
+    gradient = ops.cast(ops.convert_to_tensor(gradient), "float32")
+    flat = ops.reshape(gradient, (ops.shape(gradient)[0], -1))
+    return ops.sum(ops.square(flat), axis=1)
 
 
 def _sum_over(
     variables: Iterable[Weight],
-    elementwise: Callable[[tf.Tensor], tf.Tensor],
-) -> tf.Tensor:
+    elementwise: Callable[[Tensor], Tensor],
+) -> Tensor:
     """Returns the float32 sum of `elementwise(v)` over all variables."""
-    sums = [
-        tf.reduce_sum(elementwise(tf.cast(v, tf.float32))) for v in variables
-    ]
-    return tf.add_n(sums) if sums else tf.constant(0.0)
+    sums = [ops.sum(elementwise(ops.cast(v, "float32"))) for v in variables]
+    if not sums:
+        return ops.convert_to_tensor(0.0, "float32")
+    return _gradient_ops.add_all(sums)

@@ -3,17 +3,20 @@
 from typing import Any
 
 import keras
-import tensorflow as tf
+from keras import ops
 
+from custom_fit import _gradient_ops
 from custom_fit import _keras_compat
 from custom_fit import _model_state
 from custom_fit import _options
 from custom_fit import _validation
+from custom_fit import backend
 from custom_fit import pipeline
 from custom_fit import regularization
 from custom_fit._types import Scalar
+from custom_fit._types import Tensor
 from custom_fit._types import Variable
-from custom_fit.train_step import TrainStepMixin
+from custom_fit.train_step_mixin import TrainStepMixin
 
 _BUILT_IN_TERMS = ("l1_penalty", "l2_penalty", "input_gradient_penalty")
 _COMPONENT_NAMES = ("data_loss", "regularization_loss")
@@ -136,7 +139,7 @@ class RegularizationMixin(TrainStepMixin):
         y_pred: Any = None,
         sample_weight: Any = None,
         training: bool = True,
-    ) -> tf.Tensor:
+    ) -> Tensor:
         """Returns Keras' loss plus every penalty, logging each component.
 
         Args:
@@ -160,10 +163,10 @@ class RegularizationMixin(TrainStepMixin):
         batch_size = _keras_compat.batch_size(x, total.dtype)
         unscaled_total = total * replicas if replicas > 1 else total
         model_losses = [
-            tf.reduce_sum(tf.cast(loss, total.dtype)) for loss in self.losses
+            ops.sum(ops.cast(loss, total.dtype)) for loss in self.losses
         ]
         if model_losses:
-            regularization_loss = tf.add_n(model_losses)
+            regularization_loss = _gradient_ops.add_all(model_losses)
             self.report_metric(
                 "regularization_loss", regularization_loss, batch_size
             )
@@ -172,7 +175,7 @@ class RegularizationMixin(TrainStepMixin):
         terms = self._penalties(x, y, y_pred, sample_weight, training)
         for name, value in terms.items():
             self.report_metric(name, value, batch_size)
-            value = tf.cast(value, total.dtype)
+            value = ops.cast(value, total.dtype)
             total += value / replicas if replicas > 1 else value
         return total
 
@@ -183,7 +186,7 @@ class RegularizationMixin(TrainStepMixin):
         y_pred: Any,
         sample_weight: Any,
         training: bool,
-    ) -> dict[str, tf.Tensor]:
+    ) -> dict[str, Tensor]:
         """Returns the keyword penalties and the hook's terms, checked."""
         terms = self._weight_penalties()
         if self.input_gradient_penalty is not None:
@@ -194,9 +197,9 @@ class RegularizationMixin(TrainStepMixin):
         terms.update(self._checked_hook_terms(x, y, y_pred))
         return terms
 
-    def _weight_penalties(self) -> dict[str, tf.Tensor]:
+    def _weight_penalties(self) -> dict[str, Tensor]:
         """Returns the `l1` and `l2` penalties that are set."""
-        terms: dict[str, tf.Tensor] = {}
+        terms: dict[str, Tensor] = {}
         if self.l1 is None and self.l2 is None:
             return terms
         penalized = self._penalized_variables()
@@ -221,7 +224,7 @@ class RegularizationMixin(TrainStepMixin):
             )
         return penalized
 
-    def _add_penalties(self, loss: tf.Tensor, penalty_inputs: Any) -> tf.Tensor:
+    def _add_penalties(self, loss: Tensor, penalty_inputs: Any) -> Tensor:
         """Adds this network's penalties to a loss that `minimize` receives.
 
         A loss from this model's `compute_loss` in the same step holds them
@@ -255,11 +258,11 @@ class RegularizationMixin(TrainStepMixin):
         replicas = pipeline.replica_count()
         for name, value in terms.items():
             self.report_metric(name, value)
-            value = tf.cast(value, loss.dtype)
+            value = ops.cast(value, loss.dtype)
             loss = loss + (value / replicas if replicas > 1 else value)
         return loss
 
-    def _output_gradient_term(self, inputs: Any) -> tf.Tensor:
+    def _output_gradient_term(self, inputs: Any) -> Tensor:
         """Returns the penalty on the gradient of the outputs at `inputs`.
 
         The per-sample gradient of the network's output (its entries
@@ -267,25 +270,24 @@ class RegularizationMixin(TrainStepMixin):
         the output is one score per sample.
         """
         _, watched, inputs = self._differentiable_inputs(inputs)
-        with tf.GradientTape() as tape:
-            tape.watch(watched)
-            outputs = self.forward_pass(inputs, training=True)
-            total = tf.add_n(
+
+        def summed_outputs(values: list[Tensor]) -> Tensor:
+            outputs = self.forward_pass(self._with_inputs(inputs, values), True)
+            return _gradient_ops.add_all(
                 [
-                    tf.reduce_sum(tf.cast(output, tf.float32))
-                    for output in tf.nest.flatten(outputs)
+                    ops.sum(ops.cast(output, "float32"))
+                    for output in keras.tree.flatten(outputs)
                 ]
             )
-        gradients = tape.gradient(
-            total, watched, unconnected_gradients=tf.UnconnectedGradients.ZERO
-        )
+
+        gradients = backend.current().input_gradients(summed_outputs, watched)
         return regularization.input_gradient_penalty(
             gradients, self.input_gradient_penalty_form
         )
 
     def _differentiable_inputs(
         self, x: Any
-    ) -> tuple[list[tuple[Any, Any]], list[tf.Tensor], Any]:
+    ) -> tuple[list[tuple[Any, Any]], list[Tensor], Any]:
         """Returns the inputs to differentiate, cast as the model takes them.
 
         An input counts when the model's own input of that position is
@@ -309,16 +311,16 @@ class RegularizationMixin(TrainStepMixin):
         flat, watched = [], []
         for (_, tensor), dtype in zip(labelled, dtypes):
             if tensor is not None:
-                tensor = tf.convert_to_tensor(tensor)
-                target = tf.as_dtype(dtype or tensor.dtype)
-                if target.is_floating:
-                    tensor = tf.cast(tensor, target)
+                tensor = ops.convert_to_tensor(tensor)
+                target = keras.backend.standardize_dtype(dtype or tensor.dtype)
+                if "float" in target:
+                    tensor = ops.cast(tensor, target)
                     watched.append(tensor)
             flat.append(tensor)
         if not watched:
             received = ", ".join(
                 f"{_input_label(path)} of dtype "
-                f"{tf.as_dtype(tensor.dtype).name}"
+                f"{keras.backend.standardize_dtype(tensor.dtype)}"
                 for path, tensor in labelled
                 if tensor is not None
             )
@@ -330,9 +332,26 @@ class RegularizationMixin(TrainStepMixin):
             )
         return labelled, watched, keras.tree.pack_sequence_as(x, flat)
 
+    @staticmethod
+    def _with_inputs(x: Any, values: list[Tensor]) -> Any:
+        """Returns `x` with its floating-point inputs replaced by `values`.
+
+        `values` are the watched inputs of `_differentiable_inputs`, in
+        order; the other inputs stay as they are.
+        """
+        replacements = iter(values)
+        flat = [
+            next(replacements)
+            if t is not None
+            and "float" in keras.backend.standardize_dtype(t.dtype)
+            else t
+            for t in keras.tree.flatten(x)
+        ]
+        return keras.tree.pack_sequence_as(x, flat)
+
     def _checked_hook_terms(
         self, x: Any, y: Any, y_pred: Any
-    ) -> dict[str, tf.Tensor]:
+    ) -> dict[str, Tensor]:
         """Calls `regularization_losses` and checks what it returns."""
         terms = self.regularization_losses(x, y, y_pred)
         if not isinstance(terms, dict):
@@ -359,7 +378,7 @@ class RegularizationMixin(TrainStepMixin):
 
     def _input_gradient_term(
         self, x: Any, y: Any, sample_weight: Any, training: bool
-    ) -> tf.Tensor:
+    ) -> Tensor:
         """Returns the input-gradient penalty of this batch.
 
         A second forward pass, through the `forward_pass` hook, runs under a
@@ -368,7 +387,7 @@ class RegularizationMixin(TrainStepMixin):
         weight each sample's penalty as Keras weights its loss.
         """
         _, inputs, x = self._differentiable_inputs(x)
-        weights = tf.nest.flatten(sample_weight)
+        weights = keras.tree.flatten(sample_weight)
         if len(weights) > 1:
             raise ValueError(
                 "`input_gradient_penalty` needs one sample weight per sample, "
@@ -376,21 +395,23 @@ class RegularizationMixin(TrainStepMixin):
                 f"{len(weights)} entries. Pass a single array of sample "
                 "weights."
             )
-        with tf.GradientTape() as tape:
-            tape.watch(inputs)
-            y_pred = self.forward_pass(x, training=training)
-            loss = super().compute_loss(x, y, y_pred, None, training=training)
+
+        def summed_loss(values: list[Tensor]) -> Tensor:
+            inputs = self._with_inputs(x, values)
+            y_pred = self.forward_pass(inputs, training=training)
+            loss = super(RegularizationMixin, self).compute_loss(
+                inputs, y, y_pred, None, training=training
+            )
             # Keras' unweighted loss is a mean over the replica's batch,
             # divided by the replica count; this is the sum of the
             # per-sample losses.
-            summed = (
+            return (
                 loss
                 * _keras_compat.batch_size(x, loss.dtype)
                 * pipeline.replica_count()
             )
-        gradients = tape.gradient(
-            summed, inputs, unconnected_gradients=tf.UnconnectedGradients.ZERO
-        )
+
+        gradients = backend.current().input_gradients(summed_loss, inputs)
         return regularization.input_gradient_penalty(
             gradients,
             self.input_gradient_penalty_form,

@@ -14,10 +14,12 @@ passes inside `fit`.
 
 from collections.abc import Sequence
 
-import tensorflow as tf
+from keras import ops
 
+from custom_fit import _gradient_ops
 from custom_fit import clipping
 from custom_fit._types import Gradient
+from custom_fit._types import Tensor
 from custom_fit._types import Weight
 
 
@@ -26,7 +28,7 @@ def perturbed_weights(
     gradients: Sequence[Gradient],
     rho: float,
     eps: float = 1e-12,
-) -> list[tf.Tensor]:
+) -> list[Tensor]:
     """Returns the weights `w + rho * g / (||g|| + eps)` of SAM's 2nd pass.
 
     Args:
@@ -52,10 +54,10 @@ def perturbed_weights(
     scale = rho / (norm + eps)
     perturbed = []
     for variable, gradient in zip(variables, gradients):
-        weight = tf.convert_to_tensor(variable)
+        weight = ops.convert_to_tensor(variable)
         if gradient is None:
             perturbed.append(weight)
             continue
-        step = tf.convert_to_tensor(gradient) * tf.cast(scale, weight.dtype)
-        perturbed.append(weight + tf.cast(step, weight.dtype))
+        step = _gradient_ops.dense(gradient) * ops.cast(scale, gradient.dtype)
+        perturbed.append(weight + ops.cast(step, weight.dtype))
     return perturbed

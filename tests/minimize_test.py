@@ -3,9 +3,6 @@
 The GAN is `examples/gan.py`'s, on two tiny networks.
 """
 
-import os
-import sys
-
 import keras
 import numpy as np
 import tensorflow as tf
@@ -13,10 +10,7 @@ import tensorflow as tf
 import custom_fit
 from tests import testing
 
-sys.path.insert(
-    0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples")
-)
-from gan import GAN  # noqa: E402  (examples/gan.py)
+GAN = testing.import_example("gan").GAN
 
 NOISE, FEATURES = 3, 4
 

@@ -160,6 +160,6 @@ class ReadmeTest(testing.TestCase):
             [
                 (3, "Title", False, "print(1)"),
                 (8, "Title", True, "return x"),
-                (14, "Next", False, "print(2)"),
+                (15, "Next", False, "print(2)"),
             ],
         )

@@ -1,11 +1,15 @@
 """Shared test helpers: a Keras-like TestCase, tiny models and data."""
 
 import functools
+import importlib
+import os
+import sys
 
 import keras
 import numpy as np
-import tensorflow as tf
 from absl.testing import parameterized
+
+BACKEND = keras.backend.backend()
 
 # Named execution modes for `fit`, as Keras' own trainer tests sweep them.
 EXECUTION_MODES = (
@@ -58,6 +62,8 @@ def mirrored_strategy():
     mismatch in the collective instance 100"). One shared strategy keeps
     counting instead.
     """
+    import tensorflow as tf
+
     return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
 
 
@@ -142,17 +148,45 @@ def max_difference(arrays_a, arrays_b):
     """Returns the largest entry-wise |a - b| over two aligned lists of
     arrays, tensors or IndexedSlices (dense values); `None` pairs skipped."""
     return max(
-        np.abs(
-            tf.convert_to_tensor(a).numpy() - tf.convert_to_tensor(b).numpy()
-        ).max()
+        np.abs(to_numpy(a) - to_numpy(b)).max()
         for a, b in zip(arrays_a, arrays_b)
         if a is not None and b is not None
     )
 
 
+def to_numpy(value):
+    """Returns a tensor, variable or TensorFlow IndexedSlices as an array."""
+    if type(value).__name__ == "IndexedSlices":
+        import tensorflow as tf
+
+        value = tf.convert_to_tensor(value)
+    return np.asarray(keras.ops.convert_to_numpy(value))
+
+
 def tape_gradients(model, x, y, loss_fn):
-    """Returns the gradients of `loss_fn` w.r.t. the trainable weights,
-    computed with a plain `tf.GradientTape` (the manual oracle)."""
+    """Returns the gradients of `loss_fn` (plus `model.losses`) w.r.t. the
+    trainable weights, computed by hand: a plain `tf.GradientTape` on
+    TensorFlow, `jax.grad` of a stateless call on JAX (the oracle)."""
+    if BACKEND == "jax":
+        import jax
+
+        def loss_of(trainable):
+            y_pred, _, losses = model.stateless_call(
+                trainable,
+                [v.value for v in model.non_trainable_variables],
+                x,
+                training=True,
+                return_losses=True,
+            )
+            loss = loss_fn(y, y_pred)
+            for extra in losses:
+                loss = loss + extra
+            return loss
+
+        grads = jax.grad(loss_of)([v.value for v in model.trainable_variables])
+        return [np.asarray(g) for g in grads]
+    import tensorflow as tf
+
     with tf.GradientTape() as tape:
         loss = loss_fn(y, model(x, training=True))
         if model.losses:
@@ -262,3 +296,30 @@ def numpy_clip(
         if options.get(name) is not None:
             grads = steps[name](grads, options[name])
     return grads
+
+
+EXAMPLES_DIR = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"
+)
+
+
+def import_example(name):
+    """Imports `examples/<name>.py` as a module.
+
+    The examples are absl programs that define their flags at import, and
+    several define the same names (`dataset`, `epochs`); the flags another
+    example defined are removed first so that this one can define them.
+    """
+    if name in sys.modules:
+        return sys.modules[name]
+    from absl import flags
+
+    if EXAMPLES_DIR not in sys.path:
+        sys.path.insert(0, EXAMPLES_DIR)
+    examples = {os.path.splitext(f)[0] for f in os.listdir(EXAMPLES_DIR)}
+    for module, defined in list(flags.FLAGS.flags_by_module_dict().items()):
+        if module in examples:
+            for flag in list(defined):
+                if flag.name in flags.FLAGS:
+                    delattr(flags.FLAGS, flag.name)
+    return importlib.import_module(name)

@@ -257,9 +257,9 @@ class TrainStepParityTest(testing.TestCase):
             history = model.fit(x, y, batch_size=16, verbose=0)
         self.assertIn("loss", history.history)
 
-    def test_traced_step_has_the_same_ops_as_keras(self):
-        """With no option set, the traced train_step graph holds exactly
-        the ops of keras.Model's (same op types, same counts): the mixin
+    def test_traced_step_has_no_op_more_than_keras(self):
+        """With no option set, the traced train_step graph holds no op that
+        keras.Model's does not (op types and counts): the mixin
         costs nothing per step on one device."""
 
         def op_counts(model_class):
@@ -279,13 +279,17 @@ class TrainStepParityTest(testing.TestCase):
                 nodes.extend(function.node_def)
             return collections.Counter(node.op for node in nodes)
 
-        self.assertEqual(op_counts(Net), op_counts(keras.Model))
+        # The mixin may need fewer (it reads the batch size statically).
+        self.assertEqual(
+            op_counts(Net) - op_counts(keras.Model), collections.Counter()
+        )
 
 
 class HookOrderTest(testing.TestCase):
     def test_hooks_run_in_documented_order(self):
-        """train_step calls forward, loss, gradients, transform, apply,
-        metrics; test_step calls forward, loss, metrics."""
+        """train_step calls compute_gradients (which runs forward and loss),
+        transform, apply, metrics; test_step calls forward, loss,
+        metrics."""
         calls = []
 
         class Recorder(Net):
@@ -306,11 +310,9 @@ class HookOrderTest(testing.TestCase):
                     x, y, y_pred, sample_weight, training=training
                 )
 
-            def compute_gradients(self, tape, scaled_loss, variables, **kw):
+            def compute_gradients(self, loss_function, variables, **kw):
                 calls.append(("compute_gradients",))
-                return super().compute_gradients(
-                    tape, scaled_loss, variables, **kw
-                )
+                return super().compute_gradients(loss_function, variables, **kw)
 
             def transform_gradients(self, gradients, variables):
                 calls.append(("transform_gradients",))
@@ -337,9 +339,10 @@ class HookOrderTest(testing.TestCase):
         self.assertEqual(
             calls,
             [
+                # compute_gradients differentiates the forward pass and loss.
+                ("compute_gradients",),
                 ("forward_pass", True),
                 ("compute_loss", True),
-                ("compute_gradients",),
                 ("transform_gradients",),
                 ("apply_gradients",),
                 ("compute_metrics",),

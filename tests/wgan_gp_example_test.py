@@ -1,9 +1,5 @@
 """examples/wgan_gp.py: the critic's update against a hand-written oracle."""
 
-import importlib
-import os
-import sys
-
 import keras
 import numpy as np
 import tensorflow as tf
@@ -11,16 +7,10 @@ from absl.testing import parameterized
 
 from tests import testing
 
-_EXAMPLES = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"
-)
-
 
 def wgan_gp_module():
-    """Imports examples/wgan_gp.py (and its examples/digits.py)."""
-    if _EXAMPLES not in sys.path:
-        sys.path.insert(0, _EXAMPLES)
-    return importlib.import_module("wgan_gp")
+    """Imports examples/wgan_gp.py."""
+    return testing.import_example("wgan_gp")
 
 
 def critic_update_by_hand(critic, fake, real, alpha, gp_weight, clipnorm, lr):

@@ -4,16 +4,17 @@ import warnings
 from typing import Any
 
 import keras
-import tensorflow as tf
 
 from custom_fit import _keras_compat
 from custom_fit import _model_state
 from custom_fit import _options
 from custom_fit import _validation
+from custom_fit import backend
 from custom_fit import pipeline
 from custom_fit import sharpness
 from custom_fit._types import Logs
-from custom_fit.train_step import TrainStepMixin
+from custom_fit._types import Tensor
+from custom_fit.train_step_mixin import TrainStepMixin
 
 
 class SharpnessAwareMixin(TrainStepMixin):
@@ -71,51 +72,50 @@ class SharpnessAwareMixin(TrainStepMixin):
             A dict of metric results.
         """
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        before = self._begin_train_step()
+
+        def loss_function() -> tuple[Tensor, Any]:
+            y_pred = self.forward_pass(x, training=True)
+            loss = _keras_compat.compute_loss(
+                self, x, y, y_pred, sample_weight, training=True
+            )
+            return loss, y_pred
+
+        optimizer = self._prepared(None)
+        loss, y_pred, gradients = self.compute_gradients(
+            loss_function, None, optimizer=optimizer
+        )
         variables = self.trainable_variables
         if not variables:
             warnings.warn(
                 "The model does not have any trainable weights.", stacklevel=2
             )
-        optimizer = self._checked_optimizer(None)
-        before = self._begin_train_step()
-        with tf.GradientTape() as tape:
-            y_pred, loss = self._forward_and_loss(x, y, sample_weight)
-        if not variables:
             return self._end_train_step(
                 x, y, y_pred, sample_weight, loss, None, before
             )
-        with tape:
-            scaled_loss = optimizer.scale_loss(loss)
-        gradients = self.compute_gradients(
-            tape, scaled_loss, variables, optimizer=optimizer
-        )
-        weights = [tf.identity(tf.convert_to_tensor(v)) for v in variables]
+        weights = [backend.current().copy(v) for v in variables]
         pipeline.assign_variables(
             variables,
             sharpness.perturbed_weights(weights, gradients, self.sam_rho),
         )
         metrics = _model_state.state_of(self).metrics
-        metrics.muted = True
-        try:
-            with tf.GradientTape() as perturbed_tape:
-                _, perturbed_loss = self._forward_and_loss(x, y, sample_weight)
-        finally:
-            metrics.muted = False
-        # The tape holds the values read at `w + e`; the update acts on `w`.
+
+        def perturbed_loss_function() -> tuple[Tensor, Any]:
+            # Reports of the second pass would count the batch twice.
+            metrics.muted = True
+            try:
+                return loss_function()
+            finally:
+                metrics.muted = False
+
+        perturbed_loss, _, perturbed_gradients = self.compute_gradients(
+            perturbed_loss_function, variables, optimizer=optimizer
+        )
+        # The gradient was taken at `w + e`; the update acts on `w`.
         pipeline.assign_variables(variables, weights)
-        update = self._minimize(
-            perturbed_loss, perturbed_tape, variables, optimizer
+        update = self._update(
+            perturbed_loss, None, perturbed_gradients, variables, optimizer
         )
         return self._end_train_step(
             x, y, y_pred, sample_weight, loss, update.counted, before
         )
-
-    def _forward_and_loss(
-        self, x: Any, y: Any, sample_weight: Any
-    ) -> tuple[Any, tf.Tensor]:
-        """Returns `(y_pred, loss)` of a training forward pass."""
-        y_pred = self.forward_pass(x, training=True)
-        loss = _keras_compat.compute_loss(
-            self, x, y, y_pred, sample_weight, training=True
-        )
-        return y_pred, loss

@@ -2,20 +2,25 @@
 
 from collections.abc import Callable
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
-import tensorflow as tf
+from keras import ops
 
+from custom_fit import _gradient_ops
 from custom_fit import _model_state
 from custom_fit import _options
 from custom_fit import _state
 from custom_fit import _validation
+from custom_fit import backend
 from custom_fit import clipping
 from custom_fit import inspection
+from custom_fit import pipeline
 from custom_fit._types import Gradients
 from custom_fit._types import Optimizer
+from custom_fit._types import Tensor
 from custom_fit._types import Variable
-from custom_fit.train_step import TrainStepMixin
+from custom_fit.train_step_mixin import TrainStepMixin
 
 # Relative difference below which two float32 norms of the same gradients,
 # summed in different orders, count as equal.
@@ -113,7 +118,7 @@ class GradientInspectionMixin(TrainStepMixin):
         state = self._current_inspection_state()
         layers: dict[str, list[np.ndarray]] = {}
         for owner, variable in state.kept if state else ():
-            layers.setdefault(owner, []).append(np.array(variable.numpy()))
+            layers.setdefault(owner, []).append(state.value(variable))
         return layers
 
     @property
@@ -125,12 +130,12 @@ class GradientInspectionMixin(TrainStepMixin):
         moves by N, and with gradient accumulation it counts updates.
         """
         state = self._current_inspection_state()
-        return int(state.step.numpy()) if state else 0
+        return int(state.value(state.step)) if state else 0
 
     def _inspection_count(self) -> int:
         """Returns how many steps were inspected (callbacks spot new ones)."""
         state = self._current_inspection_state()
-        return int(state.count.numpy()) if state else 0
+        return int(state.value(state.count)) if state else 0
 
     def _current_inspection_state(self) -> "_InspectionState | None":
         """Returns the state of the last traced step, or `None`.
@@ -161,8 +166,8 @@ class GradientInspectionMixin(TrainStepMixin):
         squares = inspection.group_squared_norms(
             gradients, owners, state.layers
         )
-        layer_norms = tf.sqrt(squares)
-        global_norm = tf.sqrt(tf.reduce_sum(squares))
+        layer_norms = ops.sqrt(squares)
+        global_norm = ops.sqrt(ops.sum(squares))
         self.report_metric("grad_norm", global_norm)
         if self._clips_gradients():
             clipped_norm = clipping.global_norm(transformed_gradients)
@@ -170,7 +175,7 @@ class GradientInspectionMixin(TrainStepMixin):
             # Every clipping only scales down, so it bit if the norm fell
             # (beyond the rounding of two summation orders).
             bit = clipped_norm < global_norm * (1.0 - _ROUNDING)
-            self.report_metric("clip_rate", tf.cast(bit, tf.float32))
+            self.report_metric("clip_rate", ops.cast(bit, "float32"))
         optimizer = optimizer or self.optimizer
 
         def record() -> None:
@@ -182,9 +187,10 @@ class GradientInspectionMixin(TrainStepMixin):
                     variable.assign(function(gradients, owners, state.layers))
             for (_, kept), g in zip(state.kept, gradients):
                 if g is not None:
-                    kept.assign(tf.cast(tf.convert_to_tensor(g), kept.dtype))
-            state.step.assign(optimizer.iterations + 1)
-            state.count.assign_add(1)
+                    kept.assign(ops.cast(_gradient_ops.dense(g), kept.dtype))
+            iterations = ops.convert_to_tensor(optimizer.iterations)
+            state.step.assign(ops.cast(iterations + 1, "int32"))
+            state.count.assign(backend.current().read(state.count) + 1)
 
         self._run_when(self._is_inspected_step(optimizer), record)
 
@@ -192,7 +198,7 @@ class GradientInspectionMixin(TrainStepMixin):
         self,
         gradients: Gradients,
         variables: Sequence[Variable],
-        finite: tf.Tensor | None = None,
+        finite: Tensor | None = None,
         optimizer: Optimizer | None = None,
     ) -> None:
         """Applies the gradients; records update ratios if requested.
@@ -206,11 +212,11 @@ class GradientInspectionMixin(TrainStepMixin):
         # Decided before the update moves `optimizer.iterations`, so the
         # ratio belongs to the same step as the other figures.
         selected = self._is_inspected_step(optimizer or self.optimizer)
-        before = [tf.identity(tf.convert_to_tensor(v)) for v in variables]
+        before = [backend.current().copy(v) for v in variables]
         super().apply_gradients(
             gradients, variables, finite, optimizer=optimizer
         )
-        after = [tf.convert_to_tensor(v) for v in variables]
+        after = [backend.current().read(v) for v in variables]
         owners = self.layer_names_of(variables)
         state = self._inspection_state(owners, variables)
 
@@ -221,40 +227,36 @@ class GradientInspectionMixin(TrainStepMixin):
 
         self._run_when(selected, record)
 
-    def _is_inspected_step(self, optimizer: Optimizer) -> bool | tf.Tensor:
+    def _is_inspected_step(self, optimizer: Optimizer) -> bool | Tensor:
         """Returns `True`, or a boolean tensor: whether to record this step.
 
         Steps are counted by `optimizer.iterations` (updates).
         """
         if self.inspect_every == 1:
             return True
-        return tf.equal(optimizer.iterations % self.inspect_every, 0)
+        iterations = ops.convert_to_tensor(optimizer.iterations)
+        return ops.equal(iterations % self.inspect_every, 0)
 
     @staticmethod
-    def _run_when(
-        selected: bool | tf.Tensor, record: Callable[[], None]
-    ) -> None:
-        """Runs `record` now if `selected` is `True`, else under a `tf.cond`."""
+    def _run_when(selected: bool | Tensor, record: Callable[[], None]) -> None:
+        """Runs `record` now if `selected` is `True`, else when it holds."""
         if selected is True:
             record()
             return
-        tf.cond(
-            selected,
-            lambda: record() or tf.constant(True),
-            lambda: tf.constant(False),
-        )
+        pipeline.run_if(selected, record)
 
     def _inspection_state(
         self, owners: Sequence[str], variables: Sequence[Variable]
     ) -> "_InspectionState":
         """Returns the state of `variables`, created on first use.
 
-        Created outside the trace (`tf.init_scope`); see `_InspectionState`.
+        See `_InspectionState`.
         """
         state = _model_state.state_of(self)
         key = tuple(id(variable) for variable in variables)
         if key not in state.inspection:
             state.inspection[key] = _InspectionState(
+                self,
                 owners,
                 variables,
                 ("norm",) + tuple(self.gradient_statistics),
@@ -267,9 +269,10 @@ class GradientInspectionMixin(TrainStepMixin):
 class _InspectionState:
     """The recorded figures of one set of variables, kept on the device.
 
-    All are `ON_READ` variables: replicas write them without synchronising
-    and a read returns the first replica's values (all replicas hold the
-    same, summed gradients).
+    They are custom_fit state variables (`custom_fit._state`): under
+    `tf.distribute` each replica writes its own copy and a read returns the
+    first replica's (all replicas hold the same, summed gradients); on JAX
+    they travel with the step.
 
     Attributes:
         layers: The layer names, in order of first appearance.
@@ -283,35 +286,44 @@ class _InspectionState:
 
     def __init__(
         self,
+        model: Any,
         owners: Sequence[str],
         variables: Sequence[Variable],
         statistics: Sequence[str],
         keep_gradients: bool,
     ) -> None:
+        self._model = model
         self.layers = list(dict.fromkeys(owners))
-        with tf.init_scope():
-            self.figures = {
-                name: _state.local_variable(tf.zeros(len(self.layers)), name)
-                for name in statistics
-            }
-            self.kept = [
-                (
-                    owner,
-                    _state.local_variable(
-                        tf.zeros(variable.shape, tf.float32), "kept_gradient"
-                    ),
-                )
-                for owner, variable in zip(owners, variables)
-                if keep_gradients
-            ]
-            self.step = _state.local_variable(
-                tf.constant(0, tf.int64), "inspected_step"
+        self.figures = {
+            name: _state.state_variable((len(self.layers),), "float32", name)
+            for name in statistics
+        }
+        self.kept = [
+            (
+                owner,
+                _state.state_variable(
+                    variable.shape, "float32", "kept_gradient"
+                ),
             )
-            self.count = _state.local_variable(
-                tf.constant(0, tf.int64), "inspection_count"
-            )
+            for owner, variable in zip(owners, variables)
+            if keep_gradients
+        ]
+        self.step = _state.state_variable((), "int32", "inspected_step")
+        self.count = _state.state_variable((), "int32", "inspection_count")
+        holder = _model_state.state_of(model).holder
+        for made in (
+            *self.figures.values(),
+            *(kept for _, kept in self.kept),
+            self.step,
+            self.count,
+        ):
+            holder.track(made)
+
+    def value(self, variable: Any) -> np.ndarray:
+        """Returns a state variable's value on the host."""
+        return backend.current().host_value(self._model, variable)
 
     def read(self, name: str) -> dict[str, float]:
         """Returns the figure `name` as a dict of layer name to float."""
-        values = self.figures[name].numpy()
+        values = self.value(self.figures[name])
         return dict(zip(self.layers, (float(v) for v in values)))

@@ -8,8 +8,9 @@ from typing import Any
 from typing import TypeVar
 
 import keras
-import tensorflow as tf
+from keras import ops
 
+from custom_fit import _gradient_ops
 from custom_fit import _guard
 from custom_fit import _keras_compat
 from custom_fit import _model_state
@@ -17,12 +18,14 @@ from custom_fit import _options
 from custom_fit import _step_metrics
 from custom_fit import _validation
 from custom_fit import accumulation
+from custom_fit import backend
 from custom_fit import pipeline
 from custom_fit._types import Gradients
 from custom_fit._types import Logs
 from custom_fit._types import Optimizer
 from custom_fit._types import Scalar
 from custom_fit._types import StepFunction
+from custom_fit._types import Tensor
 from custom_fit._types import Variable
 
 _Model = TypeVar("_Model", bound="TrainStepMixin")
@@ -33,19 +36,23 @@ class TrainStepMixin(_keras_compat.PrivateOverrides):
 
     Put it (or any custom_fit mixin, which all derive from it) before the
     Keras model class. With no hook overridden, `fit` and `evaluate` give
-    the same weights and logs as the plain model. Each step runs:
+    the same weights and logs as the plain model, on TensorFlow and on JAX
+    (the backend Keras uses). Each step runs:
 
     ```python
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-    with tf.GradientTape() as tape:
+
+    def loss_function():
         y_pred = self.forward_pass(x, training=True)
         loss = self.compute_loss(x, y, y_pred, sample_weight, training=True)
-    self.minimize(loss, tape)  # the gradient pipeline, below
+        return loss, y_pred
+
+    y_pred = self.minimize(loss_function)  # the gradient pipeline, below
     return self.compute_metrics(x, y, y_pred, sample_weight)
 
-    # minimize(loss, tape, variables, optimizer):
-    scaled_loss = optimizer.scale_loss(loss)
-    gradients = self.compute_gradients(tape, scaled_loss, variables, optimizer)
+    # minimize(loss_function, variables, optimizer):
+    loss, y_pred, gradients = self.compute_gradients(
+        loss_function, variables, optimizer)  # true gradients
     # (averaged over micro-batches with gradient_accumulation_steps)
     transformed = self.transform_gradients(gradients, variables)
     self.inspect_gradients(gradients, transformed, variables, optimizer)
@@ -60,7 +67,8 @@ class TrainStepMixin(_keras_compat.PrivateOverrides):
     `compute_gradients` returns the *true* gradients: the loss scale of
     mixed precision is divided out, and under `tf.distribute` they are
     summed across replicas, so they equal the single-device gradients of
-    the global batch and are the same on every replica.
+    the global batch and are the same on every replica (on JAX, a step
+    under `keras.distribution` is traced over the global batch).
     `transform_gradients` (clipping, your own changes) therefore acts on
     true gradients, and `apply_gradients` hands them to the optimizer so
     that it neither unscales nor sums them a second time.
@@ -120,7 +128,8 @@ class TrainStepMixin(_keras_compat.PrivateOverrides):
         cls.__signature__ = _options.signature(cls)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        _refuse_parameter_server_strategy()
+        backend.check_supported()
+        backend.current().check_strategy()
         options = _options.pop_options(type(self), kwargs)
         _options.refuse_unknown_keywords(type(self), args, kwargs)
         source = _keras_compat.model_being_cloned()
@@ -165,29 +174,49 @@ class TrainStepMixin(_keras_compat.PrivateOverrides):
 
     def compute_gradients(
         self,
-        tape: tf.GradientTape,
-        scaled_loss: tf.Tensor,
-        variables: Sequence[Variable],
+        loss_function: Callable[[], tuple[Tensor, Any]],
+        variables: Sequence[Variable] | None,
         optimizer: Optimizer | None = None,
-    ) -> Gradients:
-        """Returns the true gradients. Runs after the loss, inside the step.
+    ) -> tuple[Tensor, Any, Gradients]:
+        """Returns the loss and the true gradients. First hook of `minimize`.
 
-        The result is no longer loss-scaled and, under `tf.distribute`, is
-        summed across replicas (see `custom_fit.pipeline`).
+        Differentiates `optimizer.scale_loss(loss)` with respect to
+        `variables`, then divides the loss scale out and, under
+        `tf.distribute`, sums across replicas (see `custom_fit.pipeline`).
+        Override it to compute gradients another way, returning true
+        gradients.
 
         Args:
-            tape: The `tf.GradientTape` of the forward pass.
-            scaled_loss: The loss after `optimizer.scale_loss`.
-            variables: The variables to differentiate (by default
-                `self.trainable_variables`).
+            loss_function: Callable of no arguments returning `(loss, aux)`:
+                the scalar loss (not loss-scaled) and any other output of
+                the forward pass (`y_pred` in `train_step`).
+            variables: The variables to differentiate, or `None` for the
+                model's trainable variables as they are after
+                `loss_function` ran (it may build the model).
             optimizer: The optimizer of this update (by default
                 `self.optimizer`); its loss scale is divided out.
 
         Returns:
-            A list aligned with `variables`.
+            A tuple `(loss, aux, gradients)`: the loss, the aux output, and
+            the true gradients, a list aligned with `variables`.
         """
-        return pipeline.compute_true_gradients(
-            tape, scaled_loss, variables, optimizer or self.optimizer
+        optimizer = optimizer or self.optimizer
+        if variables is None:
+            variables = lambda: self.trainable_variables  # noqa: E731
+
+        def scaled() -> tuple[Tensor, tuple[Tensor, Any]]:
+            loss, aux = loss_function()
+            return optimizer.scale_loss(loss), (loss, aux)
+
+        _, (loss, aux), gradients = backend.current().value_and_grad(
+            scaled, variables
+        )
+        if callable(variables):
+            variables = variables()
+        return (
+            loss,
+            aux,
+            pipeline.true_gradients(gradients, variables, optimizer),
         )
 
     def transform_gradients(
@@ -214,7 +243,7 @@ class TrainStepMixin(_keras_compat.PrivateOverrides):
         self,
         gradients: Gradients,
         variables: Sequence[Variable],
-        finite: tf.Tensor | None = None,
+        finite: Tensor | None = None,
         optimizer: Optimizer | None = None,
     ) -> None:
         """Updates the variables. Runs after `transform_gradients`.
@@ -281,13 +310,13 @@ class TrainStepMixin(_keras_compat.PrivateOverrides):
 
     def minimize(
         self,
-        loss: tf.Tensor | Callable[[], tf.Tensor],
-        tape: tf.GradientTape | None = None,
+        loss: Tensor | Callable[[], Tensor],
+        tape: Any = None,
         variables: Sequence[Variable] | None = None,
         optimizer: Optimizer | None = None,
         *,
         penalty_inputs: Any = None,
-    ) -> tf.Tensor | None:
+    ) -> Tensor | None:
         """Runs the gradient pipeline of this model for one loss.
 
         This is the building block of every custom_fit step: from a loss
@@ -370,39 +399,102 @@ class TrainStepMixin(_keras_compat.PrivateOverrides):
                     "the tape that recorded it. Received: a function and "
                     f"tape={tape!r}. Leave `tape` out with a loss function."
                 )
-            loss_function = loss
-            with tf.GradientTape() as tape:
-                loss = loss_function()
-        elif tape is None:
+            function = loss
+            return self._minimize(
+                lambda: (function(), None), variables, optimizer, penalty_inputs
+            ).applied
+        if tape is None:
             raise ValueError(
                 "A loss tensor needs the tape that recorded it. Received: "
                 "tape=None. Pass the tape, or pass a function of no "
                 "arguments that computes the loss."
             )
-        return self._minimize(
+        return self._minimize_recorded(
             loss, tape, variables, optimizer, penalty_inputs
         ).applied
 
     def _minimize(
         self,
-        loss: tf.Tensor,
-        tape: tf.GradientTape,
+        loss_function: Callable[[], tuple[Tensor, Any]],
         variables: Sequence[Variable] | None,
         optimizer: Optimizer | None,
         penalty_inputs: Any = None,
     ) -> "_Update":
-        """`minimize`, returning the named outcome of the update."""
-        optimizer = self._checked_optimizer(optimizer)
+        """`minimize` of a loss function returning `(loss, aux)`.
+
+        With `variables=None`, the model's trainable variables are read
+        after the loss function ran (it builds an unbuilt model); without
+        any, Keras' warning is given and nothing is updated.
+        """
+        optimizer = self._prepared(optimizer)
+
+        def penalized() -> tuple[Tensor, Any]:
+            loss, aux = loss_function()
+            return self._add_penalties(loss, penalty_inputs), aux
+
+        loss, aux, gradients = self.compute_gradients(
+            penalized, variables, optimizer=optimizer
+        )
         if variables is None:
             variables = self.trainable_variables
-        variables = list(variables)
-        self._warn_about_optimizer_clipping(optimizer)
+        if not variables:
+            warnings.warn(
+                "The model does not have any trainable weights.", stacklevel=3
+            )
+            return _Update(loss=loss, aux=aux, applied=None, counted=None)
+        return self._update(loss, aux, gradients, list(variables), optimizer)
+
+    def _minimize_recorded(
+        self,
+        loss: Tensor,
+        tape: Any,
+        variables: Sequence[Variable] | None,
+        optimizer: Optimizer | None,
+        penalty_inputs: Any = None,
+    ) -> "_Update":
+        """`minimize` of a loss recorded on a TensorFlow tape.
+
+        The gradients come from the tape, so `compute_gradients` is not
+        called; the rest of the pipeline is the same.
+        """
+        optimizer = self._prepared(optimizer)
+        variables = list(
+            self.trainable_variables if variables is None else variables
+        )
         with tape:
             loss = self._add_penalties(loss, penalty_inputs)
             scaled_loss = optimizer.scale_loss(loss)
-        gradients = self.compute_gradients(
-            tape, scaled_loss, variables, optimizer=optimizer
+        gradients = backend.current().recorded_gradients(
+            tape, scaled_loss, variables
         )
+        gradients = pipeline.true_gradients(gradients, variables, optimizer)
+        return self._update(loss, None, gradients, variables, optimizer)
+
+    def _prepared(self, optimizer: Optimizer | None) -> Optimizer:
+        """Returns the optimizer of an update, checked and tracked."""
+        optimizer = self._checked_optimizer(optimizer)
+        self._warn_about_optimizer_clipping(optimizer)
+        driver = _model_state.state_of(self).metrics.driver
+        if driver is not None:
+            owner = driver[0]
+            if optimizer is not getattr(owner, "optimizer", None):
+                # Its variables must travel with the driver's step (JAX).
+                _model_state.state_of(owner).holder.track_optimizer(optimizer)
+        return optimizer
+
+    def _update(
+        self,
+        loss: Tensor,
+        aux: Any,
+        gradients: Gradients,
+        variables: list[Variable],
+        optimizer: Optimizer,
+    ) -> "_Update":
+        """Runs the pipeline after `compute_gradients`.
+
+        From true gradients to the update, through accumulation,
+        transforms, inspection and the guard.
+        """
         guard = _model_state.state_of(self).guard
         counted = guard.batch_is_finite(gradients)
         is_update = None
@@ -420,13 +512,13 @@ class TrainStepMixin(_keras_compat.PrivateOverrides):
             applied = (
                 is_update
                 if applied is None
-                else tf.logical_and(is_update, applied)
+                else ops.logical_and(is_update, applied)
             )
         else:
             counted = applied
-        return _Update(applied=applied, counted=counted)
+        return _Update(loss=loss, aux=aux, applied=applied, counted=counted)
 
-    def _add_penalties(self, loss: tf.Tensor, penalty_inputs: Any) -> tf.Tensor:
+    def _add_penalties(self, loss: Tensor, penalty_inputs: Any) -> Tensor:
         """Returns the loss `minimize` differentiates: here, `loss` itself.
 
         `RegularizationMixin` adds the network's penalties.
@@ -456,7 +548,7 @@ class TrainStepMixin(_keras_compat.PrivateOverrides):
         variables: Sequence[Variable],
         optimizer: Optimizer,
         verdict: _guard.Verdict,
-        is_update: tf.Tensor | None,
+        is_update: Tensor | None,
     ) -> None:
         """Inspects and applies, on update steps only with accumulation."""
 
@@ -465,7 +557,7 @@ class TrainStepMixin(_keras_compat.PrivateOverrides):
                 gradients, transformed, variables, optimizer=optimizer
             )
 
-        def apply(transformed: Gradients, finite: tf.Tensor | None) -> None:
+        def apply(transformed: Gradients, finite: Tensor | None) -> None:
             self.apply_gradients(
                 transformed, variables, finite=finite, optimizer=optimizer
             )
@@ -474,12 +566,13 @@ class TrainStepMixin(_keras_compat.PrivateOverrides):
             inspect()
             apply(transformed, verdict.finite)
             return
-        tf.cond(
+        pipeline.run_if(is_update, inspect)
+        pipeline.run_if(
             is_update,
-            lambda: inspect() or tf.constant(True),
-            lambda: tf.constant(False),
+            apply,
+            args=(transformed, verdict.finite),
+            synchronized=True,
         )
-        pipeline.run_if(is_update, apply, args=(transformed, verdict.finite))
 
     def _checked_optimizer(self, optimizer: Optimizer | None) -> Optimizer:
         """Returns the optimizer of an update, refusing unusable ones."""
@@ -512,7 +605,9 @@ class TrainStepMixin(_keras_compat.PrivateOverrides):
         key = tuple(id(variable) for variable in variables)
         if key not in accumulators:
             accumulators[key] = accumulation.GradientAccumulator(
-                variables, self.gradient_accumulation_steps
+                variables,
+                self.gradient_accumulation_steps,
+                track=_model_state.state_of(self).holder.track,
             )
         return accumulators[key]
 
@@ -529,12 +624,16 @@ class TrainStepMixin(_keras_compat.PrivateOverrides):
         """
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         before = self._begin_train_step()
-        with tf.GradientTape() as tape:
+
+        def loss_function() -> tuple[Tensor, Any]:
             y_pred = self.forward_pass(x, training=True)
             loss = _keras_compat.compute_loss(
                 self, x, y, y_pred, sample_weight, training=True
             )
-        counted = self._minimize_if_trainable(loss, tape)
+            return loss, y_pred
+
+        update = self._minimize(loss_function, None, None)
+        loss, y_pred, counted = update.loss, update.aux, update.counted
         return self._end_train_step(
             x, y, y_pred, sample_weight, loss, counted, before
         )
@@ -569,28 +668,14 @@ class TrainStepMixin(_keras_compat.PrivateOverrides):
             _copies(metric_variables),
         )
 
-    def _minimize_if_trainable(
-        self, loss: tf.Tensor, tape: tf.GradientTape
-    ) -> tf.Tensor | None:
-        """Runs `_minimize`; warns as Keras does without trainable weights.
-
-        Returns whether the batch counts (see `_Update`).
-        """
-        if not self.trainable_variables:
-            warnings.warn(
-                "The model does not have any trainable weights.", stacklevel=3
-            )
-            return None
-        return self._minimize(loss, tape, None, None).counted
-
     def _end_train_step(
         self,
         x: Any,
         y: Any,
         y_pred: Any,
         sample_weight: Any,
-        loss: tf.Tensor,
-        counted: tf.Tensor | None,
+        loss: Tensor,
+        counted: Tensor | None,
         before: "_StepStart | None" = None,
     ) -> Logs:
         """Tracks the loss, updates the compiled metrics, returns the logs.
@@ -607,22 +692,25 @@ class TrainStepMixin(_keras_compat.PrivateOverrides):
         return _keras_compat.reducible_logs(self, logs)
 
     def _undo_if_skipped(
-        self, before: "_StepStart", counted: tf.Tensor | None
+        self, before: "_StepStart", counted: Tensor | None
     ) -> None:
         """Writes back the kept state when the step does not count."""
         metrics = _model_state.state_of(self).metrics
         metrics.release(counted)
         if counted is None:
             return
-        for variable, value in zip(before.metric_variables, before.metrics):
-            variable.assign(tf.where(counted, variable.value, value))
+        skipped = ops.logical_not(counted)
+        backend.current().restore_if(
+            skipped, before.metric_variables, before.metrics
+        )
         if before.layer_variables:
             pipeline.run_if(
-                tf.logical_not(counted),
+                skipped,
                 lambda copies: pipeline.assign_variables(
                     before.layer_variables, copies
                 ),
                 args=(before.layers,),
+                synchronized=True,
             )
 
     def test_step(self, data: Any) -> Logs:
@@ -737,11 +825,18 @@ class TrainStepMixin(_keras_compat.PrivateOverrides):
         Those of `report_metric` include the ones reported by custom_fit
         networks inside this model (see `minimize`).
         """
-        return super().metrics + [
-            metric
-            for model in [self, *self._inner_step_models()]
-            for metric in _model_state.state_of(model).metrics.metrics.values()
+        models = [self, *self._inner_step_models()]
+        states = [_model_state.state_of(model) for model in models]
+        reported = [
+            m for state in states for m in state.metrics.metrics.values()
         ]
+        # On JAX, custom_fit's own state travels in the step as metric state.
+        holders = (
+            [state.holder for state in states]
+            if backend.current().STATE_IN_METRICS
+            else []
+        )
+        return super().metrics + reported + holders
 
     def get_metrics_result(self) -> Logs:
         """Returns the metric results, as Keras' `get_metrics_result`.
@@ -806,9 +901,11 @@ class TrainStepMixin(_keras_compat.PrivateOverrides):
         """
         if self.train_function is not None and not force:
             return self.train_function
-        super().make_train_function(force=force)
-        self.train_function = self._with_skipped_step_limit(self.train_function)
-        self.train_function = self._driven(self.train_function, "train")
+        function = backend.current().make_step_function(
+            self, "train", lambda: self._keras_function("train", force)
+        )
+        function = self._with_skipped_step_limit(function)
+        self.train_function = self._driven(function, "train")
         return self.train_function
 
     def make_test_function(self, force: bool = False) -> StepFunction:
@@ -822,9 +919,30 @@ class TrainStepMixin(_keras_compat.PrivateOverrides):
         """
         if self.test_function is not None and not force:
             return self.test_function
-        super().make_test_function(force=force)
-        self.test_function = self._driven(self.test_function, "test")
+        function = backend.current().make_step_function(
+            self, "test", lambda: self._keras_function("test", force)
+        )
+        self.test_function = self._driven(function, "test")
         return self.test_function
+
+    def _keras_function(self, kind: str, force: bool) -> StepFunction:
+        """Returns Keras' own train (or test) function, built by Keras."""
+        trainer = super()
+        if kind == "train":
+            trainer.make_train_function(force=force)
+            return self.train_function
+        trainer.make_test_function(force=force)
+        return self.test_function
+
+    def jax_state_sync(self) -> None:
+        """Writes the state of a JAX `fit` back into the variables, as Keras.
+
+        Called by Keras' JAX trainer (at the end of an epoch, or when a
+        callback needs the weights); custom_fit then reads its state from
+        the variables again instead of from the last step's state.
+        """
+        super().jax_state_sync()  # type: ignore[misc]
+        backend.current().forget_latest(self)
 
     def _driven(self, step_function: StepFunction, kind: str) -> StepFunction:
         """Wraps `step_function` to mark this model as the running driver.
@@ -873,7 +991,7 @@ class TrainStepMixin(_keras_compat.PrivateOverrides):
             logs = train_function(*args)
             for model in models:
                 guard = _model_state.state_of(model).guard
-                guard.check_limit(nested=model is not self)
+                guard.check_limit(self, nested=model is not self)
             return logs
 
         return checked_train_function
@@ -959,6 +1077,8 @@ class _Update:
     """The outcome of one call of the gradient pipeline.
 
     Attributes:
+        loss: The loss differentiated (penalties included).
+        aux: The loss function's other output (`y_pred` in `train_step`).
         applied: `None` when the update is applied unconditionally, else a
             boolean scalar tensor: whether this call changed the variables.
         counted: `None`, or a boolean scalar tensor (with `skip_nonfinite`):
@@ -966,8 +1086,10 @@ class _Update:
             loss and metrics count in the epoch's figures.
     """
 
-    applied: tf.Tensor | None
-    counted: tf.Tensor | None
+    loss: Tensor
+    aux: Any
+    applied: Tensor | None
+    counted: Tensor | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -975,14 +1097,14 @@ class _StepStart:
     """What a step with `skip_nonfinite` keeps until its verdict."""
 
     layer_variables: list[Variable]
-    layers: list[tf.Tensor]
+    layers: list[Tensor]
     metric_variables: list[Variable]
-    metrics: list[tf.Tensor]
+    metrics: list[Tensor]
 
 
-def _copies(variables: Sequence[Variable]) -> list[tf.Tensor]:
+def _copies(variables: Sequence[Variable]) -> list[Tensor]:
     """Returns a copy of each variable's current value."""
-    return [tf.identity(tf.convert_to_tensor(v)) for v in variables]
+    return [backend.current().copy(v) for v in variables]
 
 
 def _check_transformed(
@@ -1017,12 +1139,10 @@ def _check_transformed(
                 "trained. Received: None. Return a gradient (zeros to leave "
                 "it unchanged by the optimizer's step)."
             )
-        if after is None or isinstance(after, tf.IndexedSlices):
+        if after is None or _gradient_ops.is_sparse(after):
             continue
         shape = getattr(after, "shape", None)
-        if shape is None or not tf.TensorShape(shape).is_compatible_with(
-            variable.shape
-        ):
+        if shape is None or not _compatible(tuple(shape), variable.shape):
             raise ValueError(
                 "`transform_gradients` returned a gradient of shape "
                 f"{shape} for the variable {variable.path!r} of shape "
@@ -1031,19 +1151,11 @@ def _check_transformed(
             )
 
 
-def _refuse_parameter_server_strategy() -> None:
-    """Raises early under ParameterServerStrategy, which fit cannot use."""
-    strategy = tf.distribute.get_strategy()
-    if isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
-        raise ValueError(
-            "custom_fit mixins cannot train under ParameterServerStrategy: "
-            "Keras 3's TensorFlow trainer has no ClusterCoordinator support, "
-            'so `fit` fails there for plain keras.Model as well ("To use '
-            "this dataset, you need to pass this dataset to "
-            'ClusterCoordinator.create_per_worker_dataset"). Received: '
-            f"strategy={type(strategy).__name__}. Use MirroredStrategy or "
-            "MultiWorkerMirroredStrategy instead."
-        )
+def _compatible(shape: tuple, expected: tuple) -> bool:
+    """Returns whether two static shapes agree where both are known."""
+    return len(shape) == len(expected) and all(
+        a is None or b is None or a == b for a, b in zip(shape, expected)
+    )
 
 
 def _format(arguments: dict[str, Any]) -> str:

@@ -8,7 +8,7 @@ from custom_fit import _validation
 from custom_fit import clipping
 from custom_fit._types import Gradients
 from custom_fit._types import Variable
-from custom_fit.train_step import TrainStepMixin
+from custom_fit.train_step_mixin import TrainStepMixin
 
 _CLIPPING_OPTIONS = (
     "adaptive_clipping",

@@ -1,0 +1,497 @@
+"""The JAX adapter: the imperative step, run statelessly.
+
+Keras' JAX trainer passes the model's state through a pure step function,
+`train_step(state, data) -> (logs, state)`, where `state` holds the values
+of the trainable, non-trainable, optimizer and metric variables. custom_fit
+keeps one imperative step for every backend, so this adapter builds the
+train and test functions itself:
+
+1. The values of `state` are mapped onto their variables in a
+   `keras.StatelessScope`: inside it, reading a variable gives its value in
+   `state`, and assigning one records the new value.
+2. The model's `train_step(data)` (or `test_step`) runs in that scope,
+   unchanged: the same code as on TensorFlow.
+3. The new values are collected from the scope into the returned state;
+   `jax.jit` compiles the whole function.
+
+Gradients come from `jax.value_and_grad` of a pure function of the
+differentiated variables' values: it maps them into a child scope (which
+also sees every value of the enclosing one), runs the loss function, and
+returns the loss and every other update it made (batch-normalization
+statistics, metrics), which are then recorded in the enclosing scope.
+
+State that custom_fit makes lazily (the metrics of `report_metric`,
+inspection figures, accumulators) must exist before the step is traced,
+since the state's structure is fixed then. So the first call of each
+function runs the step once eagerly, in a scope whose updates are thrown
+away (`discover`): what it creates is made then, outside any trace, and
+joins the state. A condition (`run_if`) runs its function and selects,
+for every variable it changed, the new or the old value.
+"""
+
+import contextlib
+import threading
+from collections.abc import Callable
+from collections.abc import Iterator
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import keras
+import numpy as np
+from keras import ops
+
+# Whether custom_fit's own state must travel with the step as metric state.
+STATE_IN_METRICS = True
+
+_LOCAL = threading.local()
+
+
+class _Scope(keras.StatelessScope):
+    """A `keras.StatelessScope` that also remembers the updated variables.
+
+    Args:
+        mapping: Dict of `id(variable)` to value: the values the scope
+            starts from (copied).
+        collect_losses: Bool. Collect the losses of `add_loss`.
+    """
+
+    def __init__(self, mapping: dict[int, Any], collect_losses: bool) -> None:
+        super().__init__(collect_losses=collect_losses)
+        self.state_mapping = dict(mapping)
+        self.updated: dict[int, Any] = {}
+
+    def add_update(self, update: tuple[Any, Any]) -> None:
+        variable, value = update
+        self.updated[id(variable)] = variable
+        super().add_update(update)
+
+
+def _stack() -> list[_Scope]:
+    if not hasattr(_LOCAL, "scopes"):
+        _LOCAL.scopes = []
+    return _LOCAL.scopes
+
+
+def _current() -> _Scope | None:
+    scopes = _stack()
+    return scopes[-1] if scopes else None
+
+
+@contextlib.contextmanager
+def _entered(scope: _Scope) -> Iterator[_Scope]:
+    """Enters `scope` and makes it the current custom_fit scope."""
+    _stack().append(scope)
+    try:
+        with scope:
+            yield scope
+    finally:
+        _stack().pop()
+
+
+def _child(overrides: Sequence[tuple[Any, Any]] = ()) -> _Scope:
+    """Returns a scope starting from the current one's values."""
+    parent = _current()
+    mapping = dict(parent.state_mapping) if parent is not None else {}
+    for variable, value in overrides:
+        mapping[id(variable)] = value
+    return _Scope(mapping, collect_losses=True)
+
+
+def _write_back(scope: _Scope, skip: set[int] = frozenset()) -> None:
+    """Records the updates of a finished child scope in its parent.
+
+    Outside any custom_fit scope (a call outside `fit`), the variables are
+    assigned directly.
+    """
+    parent = _current()
+    for key, variable in scope.updated.items():
+        if key in skip:
+            continue
+        value = scope.state_mapping[key]
+        if parent is not None:
+            parent.add_update((variable, value))
+        else:
+            variable.assign(value)
+
+
+# Differentiation.
+
+
+def value_and_grad(
+    function: Callable[[], tuple[Any, Any]], variables: Any
+) -> tuple[Any, Any, list[Any]]:
+    """Returns `(value, aux, gradients)` of `function` w.r.t. `variables`.
+
+    See `custom_fit.backend.tensorflow.value_and_grad`. Updates that
+    `function` makes to other variables are kept.
+    """
+    if callable(variables):
+        variables = variables()
+    variables = list(variables)
+    scopes: list[_Scope] = []
+
+    def pure(values: list[Any]) -> tuple[Any, tuple[Any, dict]]:
+        scope = _child(zip(variables, values))
+        with _entered(scope):
+            value, aux = function()
+        scopes.append(scope)
+        updates = {key: scope.state_mapping[key] for key in scope.updated}
+        return value, (aux, updates)
+
+    start = [variable.value for variable in variables]
+    (value, (aux, updates)), gradients = jax.value_and_grad(pure, has_aux=True)(
+        start
+    )
+    scope = scopes[-1]
+    scope.state_mapping.update(updates)
+    _write_back(scope, skip={id(v) for v in variables})
+    return value, aux, list(gradients)
+
+
+def recorded_gradients(tape: Any, value: Any, variables: Sequence[Any]) -> Any:
+    """A loss recorded on a tape is TensorFlow's; refused here."""
+    del tape, value, variables
+    raise ValueError(
+        "`minimize(loss, tape)` differentiates a loss recorded on a "
+        "tf.GradientTape, which exists on the TensorFlow backend only. "
+        "Received: a loss tensor and a tape under KERAS_BACKEND='jax'. Pass "
+        "a function of no arguments that computes the loss instead: "
+        "`minimize(loss_function, optimizer=...)`."
+    )
+
+
+def input_gradients(
+    function: Callable[[Any], Any], inputs: Sequence[Any]
+) -> list[Any]:
+    """Returns the gradients of `function(inputs)` w.r.t. `inputs`.
+
+    See `custom_fit.backend.tensorflow.input_gradients`.
+    """
+    scopes: list[_Scope] = []
+
+    def pure(values: list[Any]) -> tuple[Any, dict]:
+        scope = _child()
+        with _entered(scope):
+            value = function(values)
+        scopes.append(scope)
+        return value, {key: scope.state_mapping[key] for key in scope.updated}
+
+    gradients, updates = jax.grad(pure, has_aux=True)(
+        [ops.convert_to_tensor(x) for x in inputs]
+    )
+    scope = scopes[-1]
+    scope.state_mapping.update(updates)
+    _write_back(scope)
+    return list(gradients)
+
+
+# Replicas: a step is traced over the global batch.
+
+
+def replica_count() -> int:
+    """Returns 1: under `keras.distribution`, the step sees the global batch."""
+    return 1
+
+
+def all_reduce_sum(gradients: Sequence[Any]) -> list[Any]:
+    """Returns the gradients: they are the global batch's already."""
+    return list(gradients)
+
+
+def on_first_replica(value: Any) -> Any:
+    """Returns `value`: there is one replica."""
+    return value
+
+
+# Conditional updates.
+
+
+def run_if(
+    condition: Any,
+    function: Callable[..., object],
+    args: tuple[Any, ...] = (),
+    synchronized: bool = False,
+) -> None:
+    """Runs `function(*args)`; keeps its updates only where `condition`.
+
+    Each variable it changed gets `where(condition, new, old)`. Outside a
+    step (eagerly), `function` runs only when `condition` is true.
+    """
+    del synchronized
+    parent = _current()
+    if parent is None:
+        if bool(np.asarray(condition)):
+            function(*args)
+        return
+    scope = _child()
+    with _entered(scope):
+        function(*args)
+    for key, variable in scope.updated.items():
+        old = parent.get_current_value(variable)
+        if old is None:
+            old = variable.value
+        new = scope.state_mapping[key]
+        parent.add_update((variable, ops.where(condition, new, old)))
+
+
+def assign_variables(variables: Sequence[Any], values: Sequence[Any]) -> None:
+    """Assigns `values` to `variables` (recorded in the step's scope)."""
+    for variable, value in zip(variables, values):
+        variable.assign(value)
+
+
+def restore_if(
+    condition: Any, variables: Sequence[Any], values: Sequence[Any]
+) -> None:
+    """Writes `values` back into `variables` where `condition` holds."""
+    for variable, value in zip(variables, values):
+        variable.assign(ops.where(condition, value, variable.value))
+
+
+# State.
+
+
+def state_variable(
+    shape: Sequence[int], dtype: str, name: str, summed: bool = False
+) -> keras.Variable:
+    """Returns a zero-initialized, non-trainable Keras variable.
+
+    See `custom_fit.backend.tensorflow.state_variable`; `summed` has no
+    meaning on JAX. Made inside the discovery pass, it is initialized when
+    that pass ends.
+    """
+    del summed
+    return keras.Variable(
+        initializer=keras.initializers.Zeros(),
+        shape=shape,
+        dtype=dtype,
+        trainable=False,
+        name=name,
+    )
+
+
+def creation_scope() -> contextlib.AbstractContextManager:
+    """Returns a context that does nothing: see `discover`."""
+    return contextlib.nullcontext()
+
+
+def read(variable: Any) -> Any:
+    """Returns the current value of a variable (its value in the step)."""
+    return variable.value if isinstance(variable, keras.Variable) else variable
+
+
+def copy(value: Any) -> Any:
+    """Returns the current value: JAX arrays are immutable."""
+    return ops.convert_to_tensor(value)
+
+
+def host_value(model: Any, variable: Any) -> np.ndarray:
+    """Returns a variable's value on the host, during `fit` too.
+
+    While `fit` runs, the latest values are in the state that the train
+    function returned last (Keras writes them back into the variables only
+    at the end of an epoch); they are read from there.
+    """
+    latest = getattr(model, "_custom_fit_latest", None)
+    if latest is not None:
+        value = latest.get(variable)
+        if value is not None:
+            return np.asarray(value)
+    return np.asarray(variable.value)
+
+
+def write_latest(model: Any) -> None:
+    """Writes the state of the last call into the variables.
+
+    For when training stops with an exception inside an epoch, before
+    Keras writes the state back.
+    """
+    latest = getattr(model, "_custom_fit_latest", None)
+    if latest is not None:
+        latest.write()
+        forget_latest(model)
+
+
+def forget_latest(model: Any) -> None:
+    """Forgets the stashed state once Keras has written it back."""
+    model.__dict__["_custom_fit_latest"] = None
+
+
+# Sparse gradients do not exist on JAX.
+
+
+def is_sparse(gradient: Any) -> bool:
+    """Returns `False`: JAX gradients are dense."""
+    del gradient
+    return False
+
+
+def map_values(function: Callable[[Any], Any], gradient: Any) -> Any:
+    """Applies `function` to `gradient`."""
+    return function(gradient)
+
+
+def deduplicate(gradient: Any) -> Any:
+    """Returns `gradient`: dense gradients need no deduplication."""
+    return gradient
+
+
+def dense_size(gradient: Any) -> Any:
+    """Returns the number of entries, as float32."""
+    return ops.cast(ops.size(gradient), "float32")
+
+
+def dense(gradient: Any) -> Any:
+    """Returns `gradient`."""
+    return gradient
+
+
+# Training functions.
+
+
+def check_strategy() -> None:
+    """Accepts every `keras.distribution` setting."""
+
+
+class _Latest:
+    """The state returned by the last call, readable per variable."""
+
+    def __init__(self, groups: list[list[Any]], state: tuple) -> None:
+        self.groups = groups
+        self._index = {
+            id(variable): (g, i)
+            for g, variables in enumerate(groups)
+            for i, variable in enumerate(variables)
+        }
+        self.state = state
+
+    def write(self) -> None:
+        """Assigns every variable its value in the state."""
+        for variables, values in zip(self.groups, self.state):
+            for variable, value in zip(variables, values):
+                variable.assign(value)
+
+    def get(self, variable: Any) -> Any:
+        where = self._index.get(id(variable))
+        if where is None:
+            return None
+        return self.state[where[0]][where[1]]
+
+
+class _StepFunction:
+    """Keras' JAX train or test function, around the imperative step.
+
+    Called as Keras calls its own: `(state, iterator) -> (logs, state)`,
+    running `steps_per_execution` steps.
+    """
+
+    def __init__(self, model: Any, kind: str) -> None:
+        self.model = model
+        self.kind = kind
+        self.discovered = False
+        step = self._stateless
+        if not model.run_eagerly and model.jit_compile:
+            step = jax.jit(step, donate_argnums=0)
+        self.step = step
+        self._latest_groups: list[list[Any]] | None = None
+
+    def groups(self) -> list[list[Any]]:
+        """The variables of each element of the state, as Keras orders them."""
+        model = self.model
+        if self.kind == "train":
+            return [
+                list(model.trainable_variables),
+                list(model.non_trainable_variables),
+                list(model.optimizer.variables),
+                list(model.metrics_variables),
+            ]
+        return [
+            list(model.trainable_variables),
+            list(model.non_trainable_variables),
+            list(model.metrics_variables),
+        ]
+
+    def _run(self, data: Any) -> Any:
+        if self.kind == "train":
+            return self.model.train_step(data)
+        return self.model.test_step(data)
+
+    def _stateless(self, state: tuple, data: Any) -> tuple[Any, tuple]:
+        groups = self.groups()
+        mapping = {
+            id(variable): value
+            for variables, values in zip(groups, state)
+            for variable, value in zip(variables, values)
+        }
+        with _entered(_Scope(mapping, collect_losses=True)) as scope:
+            logs = self._run(data)
+        if [len(g) for g in self.groups()] != [len(g) for g in groups]:
+            raise RuntimeError(
+                "custom_fit made new state while a JAX step was traced: "
+                "everything a step reports or keeps must exist when it is "
+                "traced. Received: a report or state first made at a "
+                f"later trace of the {self.kind} step of "
+                f"{self.model.name!r}. Report the same names at every "
+                "step (no Python branch on the data)."
+            )
+        new_state = tuple(
+            [scope.state_mapping[id(variable)] for variable in variables]
+            for variables in groups
+        )
+        return logs, new_state
+
+    def discover(self, state: tuple, data: Any) -> tuple:
+        """Runs the step once eagerly, discarding its updates.
+
+        Returns:
+            The state, extended by the state the step made.
+        """
+        before = self.groups()
+        values = {
+            id(variable): value
+            for variables, group in zip(before, state)
+            for variable, value in zip(variables, group)
+        }
+        with _entered(_Scope(values, collect_losses=True)):
+            self._run(data)
+        self.discovered = True
+        return tuple(
+            [values.get(id(v), None) if id(v) in values else v.value for v in g]
+            for g in self.groups()
+        )
+
+    def __call__(self, state: tuple, iterator: Any) -> tuple[Any, tuple]:
+        iterator = iter(iterator)
+        data = next(iterator)
+        if not self.discovered:
+            state = self.discover(state, data)
+        logs, state = self.step(state, data)
+        for _ in range(self.model.steps_per_execution - 1):
+            try:
+                data = next(iterator)
+            except StopIteration:
+                break
+            logs, state = self.step(state, data)
+        self.model.__dict__["_custom_fit_latest"] = _Latest(
+            self.groups(), state
+        )
+        return logs, state
+
+
+def make_step_function(
+    model: Any, kind: str, build_keras_function: Callable[[], Any]
+) -> Any:
+    """Returns the train (`kind="train"`) or test function of `model`.
+
+    Args:
+        model: The custom_fit model.
+        kind: `"train"` or `"test"`.
+        build_keras_function: Unused: Keras' JAX functions run Keras' own
+            stateless step, which the imperative step replaces.
+
+    Returns:
+        A callable `(state, iterator) -> (logs, state)`.
+    """
+    del build_keras_function
+    return _StepFunction(model, kind)

@@ -1,0 +1,379 @@
+"""The TensorFlow adapter: tapes, `tf.distribute`, `tf.IndexedSlices`.
+
+The step runs statefully inside Keras' own `tf.function` train function:
+variables are read and written in place. Under a `tf.distribute`
+strategy, each replica runs the step on its share of the batch; gradients
+are summed across replicas here, and updates that synchronise replicas
+(the optimizer's `apply`, writes to mirrored variables) run in the
+cross-replica context when they are conditional.
+"""
+
+import contextlib
+from collections.abc import Callable
+from collections.abc import Iterator
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+# Whether custom_fit's own state must travel with the step as metric state.
+STATE_IN_METRICS = False
+
+# Differentiation.
+
+
+def value_and_grad(
+    function: Callable[[], tuple[Any, Any]], variables: Any
+) -> tuple[Any, Any, list[Any]]:
+    """Returns `(value, aux, gradients)` of `function` w.r.t. `variables`.
+
+    Args:
+        function: Callable of no arguments returning `(value, aux)`, `value`
+            a scalar tensor; it reads the variables.
+        variables: List of variables to differentiate, or a callable of no
+            arguments returning it, called after `function` (which may
+            build the model).
+
+    Returns:
+        The value, the aux output, and a list of gradients aligned with
+        `variables` (tensors, `tf.IndexedSlices` or `None`).
+    """
+    with tf.GradientTape() as tape:
+        value, aux = function()
+    if callable(variables):
+        variables = variables()
+    return value, aux, tape.gradient(value, list(variables))
+
+
+def recorded_gradients(
+    tape: tf.GradientTape, value: Any, variables: Sequence[Any]
+) -> list[Any]:
+    """Returns the gradients of `value` recorded on a caller's `tape`."""
+    return tape.gradient(value, list(variables))
+
+
+def input_gradients(
+    function: Callable[[Any], Any], inputs: Sequence[Any]
+) -> list[Any]:
+    """Returns the gradients of `function(inputs)` w.r.t. tensors `inputs`.
+
+    Taken with a nested tape, so that an outer differentiation sees the
+    result as a function of the variables (double backpropagation).
+    Inputs the value does not depend on get zero gradients.
+
+    Args:
+        function: Callable taking the list `inputs`, returning a scalar.
+        inputs: List of floating-point tensors.
+
+    Returns:
+        A list of tensors aligned with `inputs`.
+    """
+    inputs = [tf.convert_to_tensor(x) for x in inputs]
+    with tf.GradientTape() as tape:
+        tape.watch(inputs)
+        value = function(inputs)
+    return tape.gradient(
+        value, inputs, unconnected_gradients=tf.UnconnectedGradients.ZERO
+    )
+
+
+# Replicas.
+
+
+def replica_count() -> int:
+    """Returns the number of replicas whose gradients are summed per step.
+
+    Returns:
+        `num_replicas_in_sync` of the current replica context, or 1 outside
+        any (cross-replica context).
+    """
+    context = tf.distribute.get_replica_context()
+    if context is None:
+        return 1
+    return context.num_replicas_in_sync
+
+
+def all_reduce_sum(gradients: Sequence[Any]) -> list[Any]:
+    """Sums gradients across the replicas of the current replica context.
+
+    Args:
+        gradients: List of tensors, `tf.IndexedSlices` or `None`.
+
+    Returns:
+        The list of summed gradients, identical on every replica (`None`
+        stays `None`); the input unchanged with a single replica.
+    """
+    if replica_count() == 1:
+        return list(gradients)
+    present = [g for g in gradients if g is not None]
+    if not present:
+        return list(gradients)
+    summed = iter(
+        tf.distribute.get_replica_context().all_reduce(
+            tf.distribute.ReduceOp.SUM, present
+        )
+    )
+    return [None if g is None else next(summed) for g in gradients]
+
+
+def on_first_replica(value: Any) -> Any:
+    """Returns `value` on the first replica and 0 on the others.
+
+    A metric that sums its updates across replicas then counts a value
+    that is the same on every replica once.
+    """
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return value
+    first = tf.equal(context.replica_id_in_sync_group, 0)
+    return value * tf.cast(first, value.dtype)
+
+
+# Conditional updates.
+
+
+def run_if(
+    condition: Any,
+    function: Callable[..., object],
+    args: tuple[Any, ...] = (),
+    synchronized: bool = False,
+) -> None:
+    """Runs `function(*args)` only when `condition` is true.
+
+    Outside `tf.distribute`, and for functions that do not synchronise
+    replicas, this is a `tf.cond`. The optimizer's `apply` synchronises
+    replicas with a `merge_call`, which may not sit in a `tf.cond` branch in
+    replica context; with `synchronized=True` the condition (the same on
+    every replica) is evaluated in cross-replica context, as
+    `LossScaleOptimizer` does, and `function` runs on each replica with
+    that replica's `args`.
+
+    Pass every per-replica tensor `function` uses through `args`, not a
+    closure: inside the cross-replica branch a closure would hand every
+    replica the tensors of the replica that traced it (a wrong update).
+
+    Args:
+        condition: Boolean scalar tensor, the same on every replica.
+        function: Callable; its return value is dropped.
+        args: Tuple of (nested) per-replica tensors passed to `function`.
+        synchronized: Bool. Whether `function` synchronises replicas.
+    """
+
+    def run() -> tf.Tensor:
+        function(*args)
+        return tf.constant(True)
+
+    def skip() -> tf.Tensor:
+        return tf.constant(False)
+
+    if not synchronized or _outside_replica_context():
+        tf.cond(condition, run, skip)
+        return
+
+    def cross_replica(
+        strategy: tf.distribute.Strategy,
+        condition: tf.Tensor,
+        args: tuple[Any, ...],
+    ) -> None:
+        first = strategy.experimental_local_results(condition)[0]
+
+        def run_on_each_replica() -> tf.Tensor:
+            strategy.extended.call_for_each_replica(function, args=args)
+            return tf.constant(True)
+
+        tf.cond(first, run_on_each_replica, skip)
+
+    tf.distribute.get_replica_context().merge_call(
+        cross_replica, args=(condition, tuple(args))
+    )
+
+
+def assign_variables(variables: Sequence[Any], values: Sequence[Any]) -> None:
+    """Assigns `values` to model variables, in replica context too.
+
+    Keras model variables are mirrored under `tf.distribute` and refuse a
+    plain `assign` in replica context; the values (the same on every
+    replica) are then written through the strategy, as the optimizer does.
+
+    Args:
+        variables: List of variables.
+        values: List of tensors aligned with `variables`.
+    """
+    if _outside_replica_context():
+        for variable, value in zip(variables, values):
+            variable.assign(value)
+        return
+
+    def cross_replica(strategy: tf.distribute.Strategy, values: list) -> None:
+        for variable, value in zip(variables, values):
+            strategy.extended.update(
+                getattr(variable, "value", variable),
+                lambda target, new: target.assign(new),
+                args=(value,),
+                group=False,
+            )
+
+    tf.distribute.get_replica_context().merge_call(
+        cross_replica, args=(list(values),)
+    )
+
+
+def restore_if(
+    condition: Any, variables: Sequence[Any], values: Sequence[Any]
+) -> None:
+    """Writes `values` back into per-replica `variables` when `condition`.
+
+    For state each replica keeps on its own (metric variables), written
+    without synchronisation.
+    """
+    for variable, value in zip(variables, values):
+        variable.assign(tf.where(condition, value, read(variable)))
+
+
+def _outside_replica_context() -> bool:
+    """Returns whether no strategy's replica context is current."""
+    return (
+        not tf.distribute.has_strategy()
+        or tf.distribute.in_cross_replica_context()
+    )
+
+
+# State.
+
+
+def state_variable(
+    shape: Sequence[int], dtype: str, name: str, summed: bool = False
+) -> tf.Variable:
+    """Returns a zero-initialized variable for custom_fit's own state.
+
+    A plain `tf.Variable` (cheaper to update than a Keras variable), made
+    like Keras' metric state: `ON_READ`, so that each replica writes its
+    own copy. A read returns the first replica's copy, or with `summed`
+    the sum of all copies (metric totals).
+
+    Args:
+        shape: The variable's shape.
+        dtype: Its dtype.
+        name: Its name.
+        summed: Bool. Whether a read sums the replicas' copies.
+
+    Returns:
+        A `tf.Variable`.
+    """
+    aggregation = (
+        tf.VariableAggregation.SUM
+        if summed
+        else tf.VariableAggregation.ONLY_FIRST_REPLICA
+    )
+    with tf.init_scope():
+        return tf.Variable(
+            tf.zeros(shape, dtype),
+            trainable=False,
+            synchronization=tf.VariableSynchronization.ON_READ,
+            aggregation=aggregation,
+            name=name,
+        )
+
+
+def creation_scope() -> contextlib.AbstractContextManager:
+    """Returns a context that lifts state made in a traced step out of it.
+
+    State made in it is created once, eagerly (`tf.init_scope`).
+    """
+    return tf.init_scope()
+
+
+def read(variable: Any) -> Any:
+    """Returns the current value of a state or model variable, in a step."""
+    if isinstance(variable, tf.Variable):
+        return variable.read_value()
+    return tf.convert_to_tensor(variable)
+
+
+def host_value(model: Any, variable: Any) -> np.ndarray:
+    """Returns a variable's value on the host, for callbacks and checks."""
+    del model
+    return np.asarray(variable.numpy())
+
+
+def write_latest(model: Any) -> None:
+    """Does nothing: TensorFlow variables always hold the latest values."""
+    del model
+
+
+def copy(value: Any) -> Any:
+    """Returns a copy of a variable's current value, kept in the step."""
+    return tf.identity(tf.convert_to_tensor(value))
+
+
+@contextlib.contextmanager
+def discovery(model: Any) -> Iterator[None]:
+    """No discovery pass is needed: state is made inside the trace."""
+    del model
+    yield
+
+
+# Sparse gradients (`tf.IndexedSlices`, the gradient of an Embedding).
+
+
+def is_sparse(gradient: Any) -> bool:
+    """Returns whether `gradient` is a `tf.IndexedSlices`."""
+    return isinstance(gradient, tf.IndexedSlices)
+
+
+def map_values(function: Callable[[Any], Any], gradient: Any) -> Any:
+    """Applies `function` to the values of a `tf.IndexedSlices`."""
+    return tf.IndexedSlices(
+        function(gradient.values), gradient.indices, gradient.dense_shape
+    )
+
+
+def deduplicate(gradient: Any) -> Any:
+    """Sums the rows of a `tf.IndexedSlices` that share an index.
+
+    `tape.gradient` returns one row per lookup, so an index looked up twice
+    appears twice. Norms and element-wise clipping must act on the summed
+    row (the dense gradient), not on each part.
+    """
+    unique_indices, positions = tf.unique(gradient.indices)
+    values = tf.math.unsorted_segment_sum(
+        gradient.values, positions, tf.shape(unique_indices)[0]
+    )
+    return tf.IndexedSlices(values, unique_indices, gradient.dense_shape)
+
+
+def dense_size(gradient: Any) -> Any:
+    """Returns the number of entries of the dense equivalent, as float32."""
+    return tf.cast(tf.reduce_prod(gradient.dense_shape), tf.float32)
+
+
+def dense(gradient: Any) -> Any:
+    """Returns the dense tensor equal to a `tf.IndexedSlices`."""
+    return tf.convert_to_tensor(gradient)
+
+
+# Training functions.
+
+
+def check_strategy() -> None:
+    """Raises early under ParameterServerStrategy, which `fit` cannot use."""
+    strategy = tf.distribute.get_strategy()
+    if isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
+        raise ValueError(
+            "custom_fit mixins cannot train under ParameterServerStrategy: "
+            "Keras 3's TensorFlow trainer has no ClusterCoordinator support, "
+            'so `fit` fails there for plain keras.Model as well ("To use '
+            "this dataset, you need to pass this dataset to "
+            'ClusterCoordinator.create_per_worker_dataset"). Received: '
+            f"strategy={type(strategy).__name__}. Use MirroredStrategy or "
+            "MultiWorkerMirroredStrategy instead."
+        )
+
+
+def make_step_function(
+    model: Any, kind: str, build_keras_function: Callable[[], Any]
+) -> Any:
+    """Returns Keras' own train or test function: the step is stateful."""
+    del model, kind
+    return build_keras_function()

@@ -12,6 +12,8 @@ there first.
 
 import sys
 from collections.abc import Iterable
+from types import FrameType
+from typing import TYPE_CHECKING
 from typing import Any
 
 import keras
@@ -171,7 +173,15 @@ def is_multi_worker(model: keras.Model) -> bool:
     )
 
 
-class PrivateOverrides:
+if TYPE_CHECKING:
+    # The mixins are used before a Keras model class; type checkers see
+    # its attributes through this base, at run time it is `object`.
+    from keras import Model as _ModelBase
+else:
+    _ModelBase = object
+
+
+class PrivateOverrides(_ModelBase):
     """Overrides of private Keras methods, mixed into `TrainStepMixin`."""
 
     def _maybe_symbolic_build(
@@ -222,7 +232,7 @@ def model_being_cloned(depth: int = 8) -> Any:
     Returns:
         The model being cloned, or `None` outside `clone_model`.
     """
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     for _ in range(depth):
         if frame is None:
             return None
@@ -240,7 +250,7 @@ def refuse_sequential_clone(model: Any) -> None:
     be lost without a word. It reads `model.layers` first; the mixin calls
     this from there.
     """
-    frame = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     for _ in range(2):  # the helper, or a comprehension inside it
         if frame is None:
             return

@@ -46,6 +46,9 @@ class Option:
             `False`); otherwise it is refused.
         bound: Bool. The value is a float used in the model's variable
             dtype: it must stay finite and positive there.
+        kind: String naming what the option does, shared by options of one
+            capability (`"clipping"`): `any_set(model, kind)` tells whether
+            the model uses that capability.
     """
 
     def __init__(
@@ -55,11 +58,13 @@ class Option:
         *,
         requires: Sequence[str] = (),
         bound: bool = False,
+        kind: str = "",
     ) -> None:
         self.default = default
         self.validate = validate
         self.requires = tuple(requires)
         self.bound = bound
+        self.kind = kind
         self.name: str | None = None
 
     def __set_name__(self, owner: type, name: str) -> None:
@@ -98,6 +103,40 @@ def declared_options(cls: type) -> dict[str, Option]:
             if isinstance(attribute, Option):
                 options[name] = attribute
     return options
+
+
+def any_set(instance: object, kind: str) -> bool:
+    """Returns whether an option of `kind` is set (not `None` nor `False`).
+
+    Args:
+        instance: A model.
+        kind: The `kind` of the options, e.g. `"clipping"`.
+
+    Returns:
+        Bool.
+    """
+    return any(
+        option.kind == kind and _is_set(getattr(instance, name))
+        for name, option in declared_options(type(instance)).items()
+    )
+
+
+def declared_reports(cls: type) -> tuple[str, ...]:
+    """Returns the metric names the mixins of `cls` report.
+
+    Each mixin lists them in a class attribute `reports`; a user's term or
+    metric of such a name would be merged with the mixin's.
+
+    Args:
+        cls: A class.
+
+    Returns:
+        A tuple of names, base classes first.
+    """
+    names: dict[str, None] = {}
+    for klass in reversed(cls.__mro__):
+        names.update(dict.fromkeys(vars(klass).get("reports", ())))
+    return tuple(names)
 
 
 def pop_options(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -214,6 +253,11 @@ def _is_set(value: Any) -> bool:
     return value is not None and value is not False
 
 
+def _owner_of_init(cls: type) -> type:
+    """Returns the class of the MRO whose `__init__` `cls` uses."""
+    return next(klass for klass in cls.__mro__ if "__init__" in vars(klass))
+
+
 def signature(cls: type) -> inspect.Signature:
     """Returns the constructor signature of `cls`, options included.
 
@@ -228,7 +272,7 @@ def signature(cls: type) -> inspect.Signature:
     Returns:
         An `inspect.Signature`.
     """
-    init = inspect.signature(cls.__init__)
+    init = inspect.signature(vars(_owner_of_init(cls))["__init__"])
     parameters = list(init.parameters.values())[1:]  # without `self`
     variadic = [p for p in parameters if p.kind is p.VAR_KEYWORD]
     if not variadic:

@@ -12,6 +12,8 @@ across replicas) and update in at most three ops (a multiply and two
 steps are short (see BUILD_NOTES.md, "Measured figures").
 """
 
+from typing import Any
+
 import keras
 from keras import ops
 
@@ -21,7 +23,7 @@ from custom_fit._types import Scalar
 from custom_fit._types import Tensor
 
 
-def _metric_variable(name: str) -> object:
+def _metric_variable(name: str) -> Any:
     """Returns a float32 scalar accumulator, summed across replicas."""
     return _state.state_variable((), "float32", name, summed=True)
 
@@ -53,7 +55,7 @@ class ScalarMean(keras.metrics.Metric):
         self.total.assign_add(value * weight)
         self.count.assign_add(weight)
 
-    def state_variables(self) -> list[object]:
+    def state_variables(self) -> list[Any]:
         """Returns the variables that hold the metric's state."""
         return [self.total, self.count]
 
@@ -90,7 +92,7 @@ class ScalarSum(keras.metrics.Metric):
             value = value * ops.cast(sample_weight, "float32")
         self.total.assign_add(value)
 
-    def state_variables(self) -> list[object]:
+    def state_variables(self) -> list[Any]:
         """Returns the variable that holds the metric's state."""
         return [self.total]
 

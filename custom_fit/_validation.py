@@ -118,7 +118,9 @@ def positive_float(name: str, value: Any) -> float:
             f"`{name}` must be a finite float greater than 0. "
             f"Received: {name}=None. Pass a positive number."
         )
-    return positive_float_or_none(name, value)
+    number = positive_float_or_none(name, value)
+    assert number is not None  # refused above  # noqa: S101
+    return number
 
 
 def positive_int_or_none(name: str, value: Any) -> int | None:
@@ -157,7 +159,7 @@ def positive_int(name: str, value: Any, alternative: str = "") -> int:
     if (
         isinstance(value, (bool, np.bool_))
         or not isinstance(value, numbers.Integral)
-        or not 1 <= value <= MAX_INT
+        or not 1 <= int(value) <= MAX_INT
     ):
         other = f", {alternative}" if alternative else ""
         raise ValueError(

@@ -280,7 +280,9 @@ class GradientTensorBoard(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
         self._calls += 1
-        if self.update_freq != "epoch" and not self._calls % self.update_freq:
+        if isinstance(self.update_freq, int) and not (
+            self._calls % self.update_freq
+        ):
             self._write()
 
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:

@@ -389,7 +389,7 @@ def clip(
     _require("variables", variables, "adaptive_clipping", adaptive_clipping)
     _require("groups", groups, "group_clipnorm", group_clipnorm)
     gradients = list(gradients)
-    if adaptive_clipping is not None:
+    if adaptive_clipping is not None and variables is not None:
         gradients = adaptive_clip(
             gradients, variables, adaptive_clipping, adaptive_clipping_eps
         )
@@ -397,7 +397,7 @@ def clip(
         gradients = clip_by_value(gradients, clipvalue)
     if clipnorm is not None:
         gradients = clip_by_norm(gradients, clipnorm)
-    if group_clipnorm is not None:
+    if group_clipnorm is not None and groups is not None:
         gradients = clip_by_group_norm(gradients, groups, group_clipnorm)
     if global_clipnorm is not None:
         gradients = clip_by_global_norm(gradients, global_clipnorm)

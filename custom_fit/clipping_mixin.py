@@ -84,19 +84,19 @@ class GradientClippingMixin(TrainStepMixin):
     """
 
     clipvalue = _options.Option(
-        None, _validation.positive_float_or_none, bound=True
+        None, _validation.positive_float_or_none, bound=True, kind="clipping"
     )
     clipnorm = _options.Option(
-        None, _validation.positive_float_or_none, bound=True
+        None, _validation.positive_float_or_none, bound=True, kind="clipping"
     )
     global_clipnorm = _options.Option(
-        None, _validation.positive_float_or_none, bound=True
+        None, _validation.positive_float_or_none, bound=True, kind="clipping"
     )
     layer_clipnorm = _options.Option(
-        None, _validation.positive_float_or_none, bound=True
+        None, _validation.positive_float_or_none, bound=True, kind="clipping"
     )
     adaptive_clipping = _options.Option(
-        None, _validation.positive_float_or_none, bound=True
+        None, _validation.positive_float_or_none, bound=True, kind="clipping"
     )
     adaptive_clipping_eps = _options.Option(
         1e-3,
@@ -129,12 +129,6 @@ class GradientClippingMixin(TrainStepMixin):
         if self.layers:
             self._check_selected_layers()
 
-    def _clips_gradients(self) -> bool:
-        """Returns whether any clipping option is set."""
-        return any(
-            getattr(self, name) is not None for name in _CLIPPING_OPTIONS
-        )
-
     def transform_gradients(
         self, gradients: Gradients, variables: Sequence[Variable]
     ) -> Gradients:
@@ -150,7 +144,7 @@ class GradientClippingMixin(TrainStepMixin):
         Returns:
             The list of gradients, clipped where selected.
         """
-        if self._clips_gradients():
+        if _options.any_set(self, "clipping"):
             gradients = self._clip(gradients, variables)
         return super().transform_gradients(gradients, variables)
 

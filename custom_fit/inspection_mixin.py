@@ -84,6 +84,8 @@ class GradientInspectionMixin(TrainStepMixin):
     ```
     """
 
+    reports = ("grad_norm", "grad_norm_clipped", "clip_rate")
+
     gradient_statistics = _options.Option(
         (), _validation.subset_of(inspection.STATISTICS)
     )
@@ -117,7 +119,9 @@ class GradientInspectionMixin(TrainStepMixin):
             )
         state = self._current_inspection_state()
         layers: dict[str, list[np.ndarray]] = {}
-        for owner, variable in state.kept if state else ():
+        if state is None:
+            return layers
+        for owner, variable in state.kept:
             layers.setdefault(owner, []).append(state.value(variable))
         return layers
 
@@ -144,6 +148,8 @@ class GradientInspectionMixin(TrainStepMixin):
         and compiling again changes the set); the last traced one is read.
         """
         state = _model_state.state_of(self)
+        if state.inspection_key is None:
+            return None
         return state.inspection.get(state.inspection_key)
 
     # In the step.
@@ -169,7 +175,7 @@ class GradientInspectionMixin(TrainStepMixin):
         layer_norms = ops.sqrt(squares)
         global_norm = ops.sqrt(ops.sum(squares))
         self.report_metric("grad_norm", global_norm)
-        if self._clips_gradients():
+        if _options.any_set(self, "clipping"):
             clipped_norm = clipping.global_norm(transformed_gradients)
             self.report_metric("grad_norm_clipped", clipped_norm)
             # Every clipping only scales down, so it bit if the norm fell

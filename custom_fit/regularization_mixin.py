@@ -18,17 +18,6 @@ from custom_fit._types import Tensor
 from custom_fit._types import Variable
 from custom_fit.train_step_mixin import TrainStepMixin
 
-_BUILT_IN_TERMS = ("l1_penalty", "l2_penalty", "input_gradient_penalty")
-_COMPONENT_NAMES = ("data_loss", "regularization_loss")
-# Metrics the library's own mixins report: a term of that name would be
-# merged with them.
-_LIBRARY_METRICS = (
-    "grad_norm",
-    "grad_norm_clipped",
-    "skipped_steps",
-    "clip_rate",
-)
-
 
 class RegularizationMixin(TrainStepMixin):
     """Adds named penalties to the loss and logs every loss component.
@@ -89,6 +78,14 @@ class RegularizationMixin(TrainStepMixin):
     # History: loss, data_loss, l2_penalty, confidence (and val_...).
     ```
     """
+
+    reports = (
+        "data_loss",
+        "regularization_loss",
+        "l1_penalty",
+        "l2_penalty",
+        "input_gradient_penalty",
+    )
 
     l1 = _options.Option(None, _validation.positive_float_or_none, bound=True)
     l2 = _options.Option(None, _validation.positive_float_or_none, bound=True)
@@ -360,9 +357,7 @@ class RegularizationMixin(TrainStepMixin):
                 f"scalar tensor. Received: {type(terms).__name__} {terms!r}. "
                 "Return for example {'smoothness': penalty}."
             )
-        reserved = (
-            _BUILT_IN_TERMS + _COMPONENT_NAMES + _LIBRARY_METRICS + ("loss",)
-        )
+        reserved = _options.declared_reports(type(self)) + ("loss",)
         checked = {}
         for name, value in terms.items():
             if not isinstance(name, str) or name in reserved:

@@ -114,6 +114,9 @@ class TrainStepMixin(_keras_compat.PrivateOverrides):
     ```
     """
 
+    # Metric names the mixin reports (see `_options.declared_reports`).
+    reports: tuple[str, ...] = ("skipped_steps",)
+
     skip_nonfinite = _options.Option(False, _validation.boolean)
     max_consecutive_skipped_steps = _options.Option(
         20, _validation.positive_int_or_none, requires=("skip_nonfinite",)
@@ -201,22 +204,23 @@ class TrainStepMixin(_keras_compat.PrivateOverrides):
             the true gradients, a list aligned with `variables`.
         """
         optimizer = optimizer or self.optimizer
-        if variables is None:
-            variables = lambda: self.trainable_variables  # noqa: E731
+        targets: Any = variables
+        if targets is None:
+            targets = lambda: self.trainable_variables  # noqa: E731
 
         def scaled() -> tuple[Tensor, tuple[Tensor, Any]]:
             loss, aux = loss_function()
             return optimizer.scale_loss(loss), (loss, aux)
 
         _, (loss, aux), gradients = backend.current().value_and_grad(
-            scaled, variables
+            scaled, targets
         )
-        if callable(variables):
-            variables = variables()
+        if callable(targets):
+            targets = targets()
         return (
             loss,
             aux,
-            pipeline.true_gradients(gradients, variables, optimizer),
+            pipeline.true_gradients(gradients, targets, optimizer),
         )
 
     def transform_gradients(
@@ -304,7 +308,8 @@ class TrainStepMixin(_keras_compat.PrivateOverrides):
         for layer in self.layers:
             for variable in layer.trainable_variables:
                 owners.setdefault(id(variable), layer.name)
-        return [owners.get(id(variable), self.name) for variable in variables]
+        name: str = self.name
+        return [owners.get(id(variable), name) for variable in variables]
 
     # The gradient pipeline, public for custom steps.
 
@@ -899,8 +904,9 @@ class TrainStepMixin(_keras_compat.PrivateOverrides):
         Returns:
             The train function.
         """
-        if self.train_function is not None and not force:
-            return self.train_function
+        built: Any = getattr(self, "train_function", None)
+        if built is not None and not force:
+            return built
         function = backend.current().make_step_function(
             self, "train", lambda: self._keras_function("train", force)
         )
@@ -917,8 +923,9 @@ class TrainStepMixin(_keras_compat.PrivateOverrides):
         Returns:
             The test function.
         """
-        if self.test_function is not None and not force:
-            return self.test_function
+        built: Any = getattr(self, "test_function", None)
+        if built is not None and not force:
+            return built
         function = backend.current().make_step_function(
             self, "test", lambda: self._keras_function("test", force)
         )
@@ -927,7 +934,7 @@ class TrainStepMixin(_keras_compat.PrivateOverrides):
 
     def _keras_function(self, kind: str, force: bool) -> StepFunction:
         """Returns Keras' own train (or test) function, built by Keras."""
-        trainer = super()
+        trainer: Any = super()
         if kind == "train":
             trainer.make_train_function(force=force)
             return self.train_function
@@ -999,7 +1006,7 @@ class TrainStepMixin(_keras_compat.PrivateOverrides):
     def _warn_about_optimizer_clipping(self, optimizer: Optimizer) -> None:
         """Warns once if the optimizer's own clipping is wrong or redundant."""
         found = pipeline.optimizer_clipping(optimizer)
-        twice = self._clips_gradients()
+        twice = _options.any_set(self, "clipping")
         if not found or not (twice or pipeline.replica_count() > 1):
             return
         self._warn_once(
@@ -1016,10 +1023,6 @@ class TrainStepMixin(_keras_compat.PrivateOverrides):
             "Remove the clipping arguments from the optimizer and pass them "
             "to custom_fit.GradientClippingMixin instead.",
         )
-
-    def _clips_gradients(self) -> bool:
-        """Returns whether a mixin clips gradients (see the clipping mixin)."""
-        return False
 
     def _warn_once(self, key: str, message: str) -> None:
         """Emits `message` as a `UserWarning` once per model and `key`."""

@@ -485,7 +485,11 @@ class BadInputTest(testing.TestCase):
         reserved name (also a metric the library reports) is refused,
         naming the term."""
 
-        class Bad(Net):
+        class Bad(
+            custom_fit.GradientInspectionMixin,
+            custom_fit.RegularizationMixin,
+            keras.Model,
+        ):
             def regularization_losses(self, x, y, y_pred):
                 return make_terms(y_pred)
 

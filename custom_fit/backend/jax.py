@@ -32,6 +32,7 @@ for every variable it changed, the new or the old value.
 import contextlib
 import threading
 from collections.abc import Callable
+from collections.abc import Iterable
 from collections.abc import Iterator
 from collections.abc import Sequence
 from typing import Any
@@ -89,7 +90,7 @@ def _entered(scope: _Scope) -> Iterator[_Scope]:
         _stack().pop()
 
 
-def _child(overrides: Sequence[tuple[Any, Any]] = ()) -> _Scope:
+def _child(overrides: Iterable[tuple[Any, Any]] = ()) -> _Scope:
     """Returns a scope starting from the current one's values."""
     parent = _current()
     mapping = dict(parent.state_mapping) if parent is not None else {}
@@ -98,7 +99,7 @@ def _child(overrides: Sequence[tuple[Any, Any]] = ()) -> _Scope:
     return _Scope(mapping, collect_losses=True)
 
 
-def _write_back(scope: _Scope, skip: set[int] = frozenset()) -> None:
+def _write_back(scope: _Scope, skip: frozenset[int] = frozenset()) -> None:
     """Records the updates of a finished child scope in its parent.
 
     Outside any custom_fit scope (a call outside `fit`), the variables are
@@ -145,7 +146,7 @@ def value_and_grad(
     )
     scope = scopes[-1]
     scope.state_mapping.update(updates)
-    _write_back(scope, skip={id(v) for v in variables})
+    _write_back(scope, skip=frozenset(id(v) for v in variables))
     return value, aux, list(gradients)
 
 

@@ -217,6 +217,17 @@ class PrivateOverrides(_ModelBase):
             metrics.muted = muted
 
 
+def optimizer_trainable_variables(optimizer: Any) -> list[Any]:
+    """Returns the variables an optimizer was built for, in its order.
+
+    `BaseOptimizer._trainable_variables` (a `LossScaleOptimizer` applies
+    through its inner optimizer's) is what `stateless_apply` expects the
+    values of, on JAX.
+    """
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    return list(inner._trainable_variables)
+
+
 def model_being_cloned(depth: int = 8) -> Any:
     """Returns the model that `keras.models.clone_model` is cloning, if any.
 

@@ -206,12 +206,13 @@ def apply_true_gradients(
     if not isinstance(factor, float) or factor != 1.0:
         gradients = _multiply(gradients, variables, factor)
 
+    apply = backend.current().apply_gradients
     if finite is None or is_loss_scale_optimizer:
-        optimizer.apply(gradients, variables)
+        apply(optimizer, gradients, variables)
     else:
         run_if(
             finite,
-            lambda gradients: optimizer.apply(gradients, variables),
+            lambda gradients: apply(optimizer, gradients, variables),
             args=(gradients,),
             synchronized=True,
         )

@@ -236,6 +236,43 @@ def run_if(
         parent.add_update((variable, ops.where(condition, new, old)))
 
 
+def apply_gradients(
+    optimizer: Any, gradients: Sequence[Any], variables: Sequence[Any]
+) -> None:
+    """Applies `gradients` with `optimizer.stateless_apply`, as Keras' JAX
+    trainer does, and records the new values in the step's scope.
+
+    The stateful `apply` of some optimizers (`LossScaleOptimizer`) updates
+    variables inside branches of `ops.cond`, which a traced JAX step cannot
+    carry out; the stateless form returns the new values instead.
+    """
+    from custom_fit import _keras_compat
+
+    if not optimizer.built:
+        optimizer.build(variables)
+    tracked = _keras_compat.optimizer_trainable_variables(optimizer)
+    known = {id(t) for t in tracked}
+    unknown = [v.path for v in variables if id(v) not in known]
+    if unknown:
+        raise ValueError(
+            "The optimizer was built for other variables than it is asked to "
+            f"update. Received: variables {unknown} it does not track. Build "
+            "the optimizer with the variables it updates "
+            "(`optimizer.build(variables)`), or use a new optimizer."
+        )
+    by_variable = {id(v): g for v, g in zip(variables, gradients)}
+    new_trainables, new_optimizer = optimizer.stateless_apply(
+        [v.value for v in optimizer.variables],
+        [by_variable.get(id(t)) for t in tracked],
+        [t.value for t in tracked],
+    )
+    for variable, value in zip(tracked, new_trainables):
+        if id(variable) in by_variable:
+            variable.assign(value)
+    for variable, value in zip(optimizer.variables, new_optimizer):
+        variable.assign(value)
+
+
 def assign_variables(variables: Sequence[Any], values: Sequence[Any]) -> None:
     """Assigns `values` to `variables` (recorded in the step's scope)."""
     for variable, value in zip(variables, values):
@@ -311,11 +348,16 @@ def write_latest(model: Any) -> None:
     latest = getattr(model, "_custom_fit_latest", None)
     if latest is not None:
         latest.write()
-        forget_latest(model)
 
 
 def forget_latest(model: Any) -> None:
-    """Forgets the stashed state once Keras has written it back."""
+    """Writes the stashed state back and forgets it, after Keras' sync.
+
+    Keras writes back the state it kept from the call before last when
+    training stops with an exception; the stash is newer, so it is
+    written last.
+    """
+    write_latest(model)
     model.__dict__["_custom_fit_latest"] = None
 
 

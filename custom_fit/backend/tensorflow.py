@@ -189,6 +189,13 @@ def run_if(
     )
 
 
+def apply_gradients(
+    optimizer: Any, gradients: Sequence[Any], variables: Sequence[Any]
+) -> None:
+    """Applies `gradients` to `variables` with `optimizer.apply`."""
+    optimizer.apply(gradients, variables)
+
+
 def assign_variables(variables: Sequence[Any], values: Sequence[Any]) -> None:
     """Assigns `values` to model variables, in replica context too.
 

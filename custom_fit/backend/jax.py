@@ -239,12 +239,13 @@ def run_if(
 def apply_gradients(
     optimizer: Any, gradients: Sequence[Any], variables: Sequence[Any]
 ) -> None:
-    """Applies `gradients` with `optimizer.stateless_apply`, as Keras' JAX
-    trainer does, and records the new values in the step's scope.
+    """Applies `gradients` with `optimizer.stateless_apply`, as Keras does.
 
-    The stateful `apply` of some optimizers (`LossScaleOptimizer`) updates
-    variables inside branches of `ops.cond`, which a traced JAX step cannot
-    carry out; the stateless form returns the new values instead.
+    Keras' JAX trainer applies that way too; the new values are recorded in
+    the step's scope. The stateful `apply` of some optimizers
+    (`LossScaleOptimizer`) updates variables inside branches of `ops.cond`,
+    which a traced JAX step cannot carry out; the stateless form returns
+    the new values instead.
     """
     from custom_fit import _keras_compat
 

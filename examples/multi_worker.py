@@ -15,13 +15,11 @@ single process without any strategy (the reference).
 
 import json
 import os
-import socket
-import subprocess
 import sys
-import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
+import local_cluster  # noqa: E402  (examples/local_cluster.py)
 from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
 
@@ -38,78 +36,25 @@ _TIMEOUT = flags.DEFINE_integer(
 )
 
 
-def free_ports(count):
-    """Returns `count` free TCP ports on 127.0.0.1."""
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
 def launch_local_workers(count, command_line):
     """Starts `count` copies of this script as workers; waits for them.
 
-    The workers are polled together: the first to fail, or the timeout,
-    ends the wait, and every worker still running is then killed.
-
-    Args:
-        count: Integer. The number of workers.
-        command_line: List of strings. The script and its flags.
-
-    Returns:
-        `None` if every worker exited with 0; otherwise a message naming
-        the worker that failed and its exit code, or the workers still
-        running at the timeout.
+    Each gets its `TF_CONFIG`; see `local_cluster.launch`.
     """
-    addresses = [f"127.0.0.1:{port}" for port in free_ports(count)]
-    processes = []
-    try:
-        for index in range(count):
-            config = {
-                "cluster": {"worker": addresses},
-                "task": {"type": "worker", "index": index},
-            }
-            env = dict(os.environ, TF_CONFIG=json.dumps(config))
-            processes.append(
-                subprocess.Popen([sys.executable, *command_line], env=env)
-            )
-        return wait_for_workers(processes, _TIMEOUT.value)
-    finally:
-        for p in processes:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    addresses = [
+        f"127.0.0.1:{port}" for port in local_cluster.free_ports(count)
+    ]
 
+    def environment_of(index):
+        config = {
+            "cluster": {"worker": addresses},
+            "task": {"type": "worker", "index": index},
+        }
+        return dict(os.environ, TF_CONFIG=json.dumps(config))
 
-def wait_for_workers(processes, timeout, interval=0.2):
-    """Polls `processes` until all exit, one fails, or `timeout` passes.
-
-    Args:
-        processes: List of `subprocess.Popen`, the workers in index order.
-        timeout: Number. Seconds to wait in all.
-        interval: Number. Seconds between polls.
-
-    Returns:
-        `None` if every process exited with 0; otherwise a message naming
-        the first failed worker and its exit code, or the workers still
-        running at the timeout. Running workers are left to the caller.
-    """
-    deadline = time.monotonic() + timeout
-    while True:
-        codes = [p.poll() for p in processes]
-        for index, code in enumerate(codes):
-            if code:  # Neither running (None) nor successful (0).
-                return f"worker {index} exited with code {code}"
-        if None not in codes:
-            return None
-        if time.monotonic() > deadline:
-            running = [i for i, code in enumerate(codes) if code is None]
-            return f"workers {running} did not finish within {timeout} s"
-        time.sleep(interval)
+    return local_cluster.launch(
+        count, lambda index: command_line, environment_of, _TIMEOUT.value
+    )
 
 
 def train(strategy, task_index, label):

@@ -323,3 +323,42 @@ def import_example(name):
                 if flag.name in flags.FLAGS:
                     delattr(flags.FLAGS, flag.name)
     return importlib.import_module(name)
+
+
+def run_bounded(script, *flags, timeout=420, env=None):
+    """Runs `script` with `flags` in its own process group; returns its
+    output. The whole group (a launcher and the workers it started) is
+    killed when the run ends, however it ends; a timeout or a non-zero exit
+    fails with the output's end."""
+    import signal
+    import subprocess
+
+    process = subprocess.Popen(
+        [sys.executable, script, *flags],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        env=env,
+    )
+
+    def kill_group():
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass  # the whole group has exited
+        process.wait()
+
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_group()
+        output, _ = process.communicate()  # what it printed until killed
+        raise AssertionError(
+            f"{flags} timed out after {timeout} s:\n{output[-4000:]}"
+        ) from None
+    finally:
+        kill_group()  # workers outlive a launcher killed by a signal
+    if process.returncode != 0:
+        raise AssertionError(f"{flags} failed:\n{output[-4000:]}")
+    return output

@@ -403,12 +403,8 @@ class _Latest:
 
     def __init__(self, groups: list[list[Any]], state: tuple) -> None:
         self.groups = groups
-        self._index = {
-            id(variable): (g, i)
-            for g, variables in enumerate(groups)
-            for i, variable in enumerate(variables)
-        }
         self.state = state
+        self._index: dict[int, tuple[int, int]] | None = None
 
     def write(self) -> None:
         """Assigns every variable its value in the state."""
@@ -417,6 +413,12 @@ class _Latest:
                 variable.assign(value)
 
     def get(self, variable: Any) -> Any:
+        if self._index is None:  # built at the first read, not per step
+            self._index = {
+                id(variable): (g, i)
+                for g, variables in enumerate(self.groups)
+                for i, variable in enumerate(variables)
+            }
         where = self._index.get(id(variable))
         if where is None:
             return None
@@ -438,7 +440,7 @@ class _StepFunction:
         if not model.run_eagerly and model.jit_compile:
             step = jax.jit(step, donate_argnums=0)
         self.step = step
-        self._latest_groups: list[list[Any]] | None = None
+        self._groups: list[list[Any]] | None = None
 
     def groups(self) -> list[list[Any]]:
         """The variables of each element of the state, as Keras orders them."""
@@ -517,9 +519,12 @@ class _StepFunction:
             except StopIteration:
                 break
             logs, state = self.step(state, data)
-        self.model.__dict__["_custom_fit_latest"] = _Latest(
-            self.groups(), state
-        )
+        groups = self._groups
+        if groups is None or [len(g) for g in groups] != [
+            len(g) for g in state
+        ]:
+            groups = self._groups = self.groups()
+        self.model.__dict__["_custom_fit_latest"] = _Latest(groups, state)
         return logs, state
 
 

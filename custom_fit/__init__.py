@@ -13,6 +13,7 @@ from custom_fit import regularization
 from custom_fit import sharpness
 from custom_fit.clipping_mixin import GradientClippingMixin
 from custom_fit.inspection_mixin import GradientInspectionMixin
+from custom_fit.multi_optimizer import MultiOptimizer
 from custom_fit.regularization_mixin import RegularizationMixin
 from custom_fit.sharpness_mixin import SharpnessAwareMixin
 from custom_fit.train_step_mixin import TrainStepMixin
@@ -22,6 +23,7 @@ __version__ = "0.1.0"
 __all__ = [
     "GradientClippingMixin",
     "GradientInspectionMixin",
+    "MultiOptimizer",
     "RegularizationMixin",
     "SharpnessAwareMixin",
     "TrainStepMixin",

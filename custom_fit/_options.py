@@ -26,6 +26,8 @@ from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
 
+import keras
+
 from custom_fit import _model_state
 from custom_fit import _validation
 
@@ -49,6 +51,11 @@ class Option:
         kind: String naming what the option does, shared by options of one
             capability (`"clipping"`): `any_set(model, kind)` tells whether
             the model uses that capability.
+        schedulable: Bool. The option also accepts a
+            `keras.optimizers.schedules.LearningRateSchedule`, evaluated in
+            the step at the optimizer's update count.
+        logged_as: String. The log key under which the value in force of a
+            scheduled option is reported; defaults to the option's name.
     """
 
     def __init__(
@@ -59,16 +66,21 @@ class Option:
         requires: Sequence[str] = (),
         bound: bool = False,
         kind: str = "",
+        schedulable: bool = False,
+        logged_as: str = "",
     ) -> None:
         self.default = default
         self.validate = validate
         self.requires = tuple(requires)
         self.bound = bound
         self.kind = kind
+        self.schedulable = schedulable
+        self.logged_as = logged_as
         self.name: str | None = None
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
+        self.logged_as = self.logged_as or name
 
     def __get__(self, instance: object, owner: type | None = None) -> Any:
         if instance is None:
@@ -215,10 +227,15 @@ def store_options(
     stored = _model_state.state_of(instance).options
     options = declared_options(type(instance))
     for name, option in options.items():
-        if name in values:
-            stored[name] = option.validate(name, values[name])
-            if option.bound:
-                _validation.representable(name, stored[name], dtype)
+        if name not in values:
+            continue
+        value = values[name]
+        if option.schedulable and _validation.is_schedule(value):
+            stored[name] = value
+            continue
+        stored[name] = option.validate(name, value)
+        if option.bound:
+            _validation.representable(name, stored[name], dtype)
     for name, option in options.items():
         _check_requirements(instance, name, option)
 
@@ -256,6 +273,24 @@ def _is_set(value: Any) -> bool:
 def _owner_of_init(cls: type) -> type:
     """Returns the class of the MRO whose `__init__` `cls` uses."""
     return next(klass for klass in cls.__mro__ if "__init__" in vars(klass))
+
+
+def to_config(value: Any) -> Any:
+    """Returns an option's value as `get_config()` holds it.
+
+    A schedule is serialized as Keras serializes objects; other values are
+    kept.
+    """
+    if _validation.is_schedule(value):
+        return keras.saving.serialize_keras_object(value)
+    return value
+
+
+def from_config(value: Any) -> Any:
+    """Returns an option's value from `get_config()` (see `to_config`)."""
+    if isinstance(value, dict) and "class_name" in value:
+        return keras.saving.deserialize_keras_object(value)
+    return value
 
 
 def signature(cls: type) -> inspect.Signature:

@@ -70,6 +70,47 @@ class ScalarMean(keras.metrics.Metric):
         self.count.assign(ops.zeros((), "float32"))
 
 
+class ScalarLast(keras.metrics.Metric):
+    """The last scalar value reported: a step's own figure.
+
+    At the end of an epoch it is the value of the epoch's last step; a
+    batch-level callback reads each step's value.
+
+    Args:
+        name: String. The metric's name (its log key).
+    """
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name=name, dtype="float32")
+        # The same on every replica (computed from true gradients): a read
+        # takes the first replica's.
+        self.value = _state.state_variable((), "float32", "value")
+
+    def update_state(self, value: Tensor, sample_weight: Scalar = None) -> None:
+        """Keeps `value`; a zero `sample_weight` keeps the previous one.
+
+        Args:
+            value: Float32 scalar tensor.
+            sample_weight: Optional scalar weight (0 to ignore the value).
+        """
+        if sample_weight is not None:
+            keep = ops.cast(sample_weight, "float32") > 0
+            value = ops.where(keep, value, backend.current().read(self.value))
+        self.value.assign(value)
+
+    def state_variables(self) -> list[Any]:
+        """Returns the variable that holds the metric's state."""
+        return [self.value]
+
+    def result(self) -> Tensor:
+        """Returns the last value (0 before any)."""
+        return backend.current().read(self.value)
+
+    def reset_state(self) -> None:
+        """Sets the value to 0."""
+        self.value.assign(ops.zeros((), "float32"))
+
+
 class ScalarSum(keras.metrics.Metric):
     """Running (weighted) sum of scalar values.
 

@@ -29,10 +29,11 @@ from custom_fit import _scalar_metrics
 from custom_fit import _validation
 from custom_fit import backend
 
-REDUCTIONS = ("mean", "sum")
+REDUCTIONS = ("mean", "sum", "last")
 _METRIC_CLASSES = {
     "mean": _scalar_metrics.ScalarMean,
     "sum": _scalar_metrics.ScalarSum,
+    "last": _scalar_metrics.ScalarLast,
 }
 
 

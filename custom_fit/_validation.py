@@ -71,6 +71,11 @@ def positive_float_or_none(name: str, value: Any) -> float | None:
     return number
 
 
+def is_schedule(value: Any) -> bool:
+    """Returns whether `value` is a Keras schedule (`LearningRateSchedule`)."""
+    return isinstance(value, keras.optimizers.schedules.LearningRateSchedule)
+
+
 def representable(name: str, value: float | None, dtype: str) -> None:
     """Checks that a positive float option stays finite and positive in `dtype`.
 

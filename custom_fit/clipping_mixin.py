@@ -83,20 +83,42 @@ class GradientClippingMixin(TrainStepMixin):
           Normalization".
     """
 
+    reports = _CLIPPING_OPTIONS  # the value in force of a schedule
+
     clipvalue = _options.Option(
-        None, _validation.positive_float_or_none, bound=True, kind="clipping"
+        None,
+        _validation.positive_float_or_none,
+        bound=True,
+        kind="clipping",
+        schedulable=True,
     )
     clipnorm = _options.Option(
-        None, _validation.positive_float_or_none, bound=True, kind="clipping"
+        None,
+        _validation.positive_float_or_none,
+        bound=True,
+        kind="clipping",
+        schedulable=True,
     )
     global_clipnorm = _options.Option(
-        None, _validation.positive_float_or_none, bound=True, kind="clipping"
+        None,
+        _validation.positive_float_or_none,
+        bound=True,
+        kind="clipping",
+        schedulable=True,
     )
     layer_clipnorm = _options.Option(
-        None, _validation.positive_float_or_none, bound=True, kind="clipping"
+        None,
+        _validation.positive_float_or_none,
+        bound=True,
+        kind="clipping",
+        schedulable=True,
     )
     adaptive_clipping = _options.Option(
-        None, _validation.positive_float_or_none, bound=True, kind="clipping"
+        None,
+        _validation.positive_float_or_none,
+        bound=True,
+        kind="clipping",
+        schedulable=True,
     )
     adaptive_clipping_eps = _options.Option(
         1e-3,
@@ -158,12 +180,12 @@ class GradientClippingMixin(TrainStepMixin):
             [g if keep else None for g, keep in zip(gradients, selected)],
             variables,
             owners,
-            adaptive_clipping=self.adaptive_clipping,
+            adaptive_clipping=self._option_in_step("adaptive_clipping"),
             adaptive_clipping_eps=self.adaptive_clipping_eps,
-            clipvalue=self.clipvalue,
-            clipnorm=self.clipnorm,
-            group_clipnorm=self.layer_clipnorm,
-            global_clipnorm=self.global_clipnorm,
+            clipvalue=self._option_in_step("clipvalue"),
+            clipnorm=self._option_in_step("clipnorm"),
+            group_clipnorm=self._option_in_step("layer_clipnorm"),
+            global_clipnorm=self._option_in_step("global_clipnorm"),
         )
         return [
             new if keep else old

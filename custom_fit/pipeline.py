@@ -233,10 +233,12 @@ def optimizer_clipping(
     """
     optimizer = getattr(optimizer, "inner_optimizer", optimizer)
     found: dict[str, float] = {}
-    for name in _OPTIMIZER_CLIPPING_ARGUMENTS:
-        value = getattr(optimizer, name, None)
-        if value:
-            found[name] = value
+    # A MultiOptimizer's groups clip with their own optimizers.
+    for member in [optimizer, *getattr(optimizer, "optimizers", [])]:
+        for name in _OPTIMIZER_CLIPPING_ARGUMENTS:
+            value = getattr(member, name, None)
+            if value:
+                found[name] = value
     return found
 
 

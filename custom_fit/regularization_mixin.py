@@ -85,17 +85,36 @@ class RegularizationMixin(TrainStepMixin):
         "l1_penalty",
         "l2_penalty",
         "input_gradient_penalty",
+        "l1_weight",
+        "l2_weight",
+        "input_gradient_penalty_weight",
     )
 
-    l1 = _options.Option(None, _validation.positive_float_or_none, bound=True)
-    l2 = _options.Option(None, _validation.positive_float_or_none, bound=True)
+    l1 = _options.Option(
+        None,
+        _validation.positive_float_or_none,
+        bound=True,
+        schedulable=True,
+        logged_as="l1_weight",
+    )
+    l2 = _options.Option(
+        None,
+        _validation.positive_float_or_none,
+        bound=True,
+        schedulable=True,
+        logged_as="l2_weight",
+    )
     penalized_variable_names = _options.Option(
         regularization.DEFAULT_PENALIZED_NAMES,
         _validation.names_or_default(regularization.DEFAULT_PENALIZED_NAMES),
         requires=("l1", "l2"),
     )
     input_gradient_penalty = _options.Option(
-        None, _validation.positive_float_or_none, bound=True
+        None,
+        _validation.positive_float_or_none,
+        bound=True,
+        schedulable=True,
+        logged_as="input_gradient_penalty_weight",
     )
     input_gradient_penalty_form = _options.Option(
         "squared_norm",
@@ -187,10 +206,9 @@ class RegularizationMixin(TrainStepMixin):
         """Returns the keyword penalties and the hook's terms, checked."""
         terms = self._weight_penalties()
         if self.input_gradient_penalty is not None:
-            terms["input_gradient_penalty"] = (
-                self.input_gradient_penalty
-                * self._input_gradient_term(x, y, sample_weight, training)
-            )
+            terms["input_gradient_penalty"] = self._option_in_step(
+                "input_gradient_penalty"
+            ) * self._input_gradient_term(x, y, sample_weight, training)
         terms.update(self._checked_hook_terms(x, y, y_pred))
         return terms
 
@@ -201,9 +219,13 @@ class RegularizationMixin(TrainStepMixin):
             return terms
         penalized = self._penalized_variables()
         if self.l1 is not None:
-            terms["l1_penalty"] = regularization.l1_penalty(penalized, self.l1)
+            terms["l1_penalty"] = regularization.l1_penalty(
+                penalized, self._option_in_step("l1")
+            )
         if self.l2 is not None:
-            terms["l2_penalty"] = regularization.l2_penalty(penalized, self.l2)
+            terms["l2_penalty"] = regularization.l2_penalty(
+                penalized, self._option_in_step("l2")
+            )
         return terms
 
     def _penalized_variables(self) -> list[Variable]:
@@ -248,10 +270,9 @@ class RegularizationMixin(TrainStepMixin):
                 "penalty_inputs=interpolated)` for WGAN-GP."
             )
         else:
-            terms["input_gradient_penalty"] = (
-                self.input_gradient_penalty
-                * self._output_gradient_term(penalty_inputs)
-            )
+            terms["input_gradient_penalty"] = self._option_in_step(
+                "input_gradient_penalty"
+            ) * self._output_gradient_term(penalty_inputs)
         replicas = pipeline.replica_count()
         for name, value in terms.items():
             self.report_metric(name, value)

@@ -60,7 +60,11 @@ class SharpnessAwareMixin(TrainStepMixin):
         Generalization".
     """
 
-    sam_rho = _options.Option(0.05, _validation.positive_float, bound=True)
+    reports = ("sam_rho",)  # the value in force of a schedule
+
+    sam_rho = _options.Option(
+        0.05, _validation.positive_float, bound=True, schedulable=True
+    )
 
     def train_step(self, data: Any) -> Logs:
         """Runs SAM's two passes, then tracks the first pass's metrics.
@@ -96,7 +100,9 @@ class SharpnessAwareMixin(TrainStepMixin):
         weights = [backend.current().copy(v) for v in variables]
         pipeline.assign_variables(
             variables,
-            sharpness.perturbed_weights(weights, gradients, self.sam_rho),
+            sharpness.perturbed_weights(
+                weights, gradients, self._option_in_step("sam_rho")
+            ),
         )
         metrics = _model_state.state_of(self).metrics
 

@@ -479,6 +479,8 @@ class TrainStepMixin(_keras_compat.PrivateOverrides):
         """Returns the optimizer of an update, checked and tracked."""
         optimizer = self._checked_optimizer(optimizer)
         self._warn_about_optimizer_clipping(optimizer)
+        # Schedules of this update's options follow this optimizer's count.
+        _model_state.state_of(self).local.optimizer = optimizer
         driver = _model_state.state_of(self).metrics.driver
         if driver is not None:
             owner = driver[0]
@@ -522,6 +524,28 @@ class TrainStepMixin(_keras_compat.PrivateOverrides):
         else:
             counted = applied
         return _Update(loss=loss, aux=aux, applied=applied, counted=counted)
+
+    def _option_in_step(self, name: str) -> Any:
+        """Returns option `name` for the running step.
+
+        A schedule is evaluated at the update count of the optimizer of the
+        running update, before the update (0 at the first step), as Keras
+        evaluates a learning-rate schedule, and the value is reported under
+        the option's `logged_as` name; any other value is returned as is.
+        """
+        value = getattr(self, name)
+        if not _validation.is_schedule(value):
+            return value
+        optimizer = getattr(
+            _model_state.state_of(self).local, "optimizer", None
+        )
+        optimizer = optimizer or self.optimizer
+        current = ops.cast(
+            value(ops.convert_to_tensor(optimizer.iterations)), "float32"
+        )
+        option = _options.declared_options(type(self))[name]
+        self._report(option.logged_as, current, reduction="last")
+        return current
 
     def _add_penalties(self, loss: Tensor, penalty_inputs: Any) -> Tensor:
         """Returns the loss `minimize` differentiates: here, `loss` itself.
@@ -589,7 +613,13 @@ class TrainStepMixin(_keras_compat.PrivateOverrides):
                 "pass optimizer=... to `minimize`."
             )
         inner = getattr(optimizer, "inner_optimizer", optimizer)
-        steps = getattr(inner, "gradient_accumulation_steps", None)
+        steps = max(
+            (
+                getattr(member, "gradient_accumulation_steps", None) or 0
+                for member in [inner, *getattr(inner, "optimizers", [])]
+            ),
+            default=0,
+        )
         if steps:
             raise ValueError(
                 "The optimizer accumulates gradients itself, after "
@@ -780,12 +810,16 @@ class TrainStepMixin(_keras_compat.PrivateOverrides):
             sample_weight: Optional scalar weight of this step's value in the
                 epoch mean (Keras weights the loss by the batch size).
             reduction: `"mean"` (weighted running mean over the epoch, each
-                replica's value counted with its weight) or `"sum"` (total
+                replica's value counted with its weight), `"sum"` (total
                 over the epoch's steps; under `tf.distribute` the value must
-                be the same on every replica, and is counted once).
+                be the same on every replica, and is counted once) or
+                `"last"` (the last step's value: what a batch-level callback
+                sees is each step's own value, and the epoch's log is its
+                last step's; the value must be the same on every replica).
 
         Raises:
-            ValueError: If `reduction` is not one of `"mean"` and `"sum"`, if
+            ValueError: If `reduction` is not one of `"mean"`, `"sum"` and
+                `"last"`, if
                 `name` is already the name of another metric or output of
                 the model, or if `value` is not a scalar.
 
@@ -1044,7 +1078,7 @@ class TrainStepMixin(_keras_compat.PrivateOverrides):
         config = super().get_config()
         config.update(
             {
-                name: getattr(self, name)
+                name: _options.to_config(getattr(self, name))
                 for name in _options.declared_options(type(self))
             }
         )
@@ -1069,7 +1103,10 @@ class TrainStepMixin(_keras_compat.PrivateOverrides):
             The model.
         """
         config = dict(config)
-        options = _options.pop_options(cls, config)
+        options = {
+            name: _options.from_config(value)
+            for name, value in _options.pop_options(cls, config).items()
+        }
         model = super().from_config(config, custom_objects=custom_objects)
         model._configure_options(options)
         return model

@@ -2,21 +2,31 @@
 
 The seed documents' hardest case, and the usual reason to leave `fit` for a
 hand-written loop. Here the GAN is a custom_fit model whose `train_step`
-computes both losses from one forward pass and calls `minimize` on each
-network with that network's optimizer. The noise comes with the data, drawn
-in the `tf.data` pipeline. Each network is itself a custom_fit
-model, configured on its own:
+updates each network through its own gradient pipeline, with its own
+optimizer, by calling `minimize` on it with a loss function:
+
+    self.discriminator.minimize(discriminator_loss, optimizer=...)
+    self.generator.minimize(generator_loss, optimizer=...)
+
+The updates alternate, as in Keras' own DCGAN example: the discriminator
+first, on real samples against the generator's samples of a fresh noise
+batch; then the generator, on another fresh noise batch, against the
+updated discriminator. The noise comes from a seeded
+`keras.random.SeedGenerator` in the GAN's state, and the step is written
+with `keras.ops`, so the program runs unchanged on TensorFlow and on JAX
+(`KERAS_BACKEND`). Each network is itself a custom_fit model, configured
+on its own:
 
 - the discriminator clips its gradient (`global_clipnorm`) and is
   inspected;
 - the generator is inspected, unclipped.
 
-Both networks log their global gradient norm under their names
-(`discriminator_grad_norm`, `generator_grad_norm`; the discriminator's
-clipping also `discriminator_grad_norm_clipped` and
-`discriminator_clip_rate`), and `model.generator.gradient_norms`
-holds per-layer norms for callbacks. At the end the program saves a PNG
-grid of generated digits.
+History holds both losses (`d_loss`, `g_loss`) and each network's global
+gradient norm under its name (`discriminator_grad_norm`,
+`generator_grad_norm`; the discriminator's clipping also
+`discriminator_grad_norm_clipped` and `discriminator_clip_rate`), and
+`model.generator.gradient_norms` holds per-layer norms for callbacks. At
+the end the program saves a PNG grid of generated digits.
 
     python examples/gan.py --epochs=30 --output=gan_digits.png
 """
@@ -27,16 +37,12 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import digits  # noqa: E402  (examples/digits.py)
 import keras  # noqa: E402
-import matplotlib  # noqa: E402
 import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
 from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
+from keras import ops  # noqa: E402
 
 import custom_fit  # noqa: E402
-
-matplotlib.use("Agg")
-from matplotlib import pyplot  # noqa: E402
 
 _DATASET = flags.DEFINE_enum(
     "dataset", "digits", digits.DATASETS, "digits (bundled) or mnist."
@@ -66,21 +72,26 @@ class Discriminator(
 class GAN(custom_fit.TrainStepMixin, keras.Model):
     """Trains `generator` against `discriminator` with `fit`.
 
-    Batches are `(real_samples, noise)`: the noise comes with the data (see
-    `with_noise`), which keeps the step deterministic and makes a run under
-    `tf.distribute` equal the single-device run. Both losses come from one
-    forward pass; each network is then updated through its own gradient
-    pipeline (`minimize`), with its optimizer.
+    Batches hold real samples only. Each step draws two noise batches from
+    the GAN's seeded `SeedGenerator`: one for the discriminator's update,
+    one for the generator's, which follows it (alternating updates). Each
+    network is updated through its own gradient pipeline (`minimize`),
+    with its optimizer. (Under `tf.distribute`, every replica draws the
+    same noise for its share of the batch.)
 
     Args:
         generator: A custom_fit model from noise to samples.
         discriminator: A custom_fit model from samples to one logit.
+        latent_dim: Integer, the size of the generator's input.
+        seed: Integer, the seed of the noise draws.
     """
 
-    def __init__(self, generator, discriminator, **kwargs):
+    def __init__(self, generator, discriminator, latent_dim, seed=0, **kwargs):
         super().__init__(**kwargs)
         self.generator = generator
         self.discriminator = discriminator
+        self.latent_dim = latent_dim
+        self.seed_generator = keras.random.SeedGenerator(seed)
         self.bce = keras.losses.BinaryCrossentropy(from_logits=True)
         self.built = True  # Both networks are built already.
 
@@ -92,100 +103,117 @@ class GAN(custom_fit.TrainStepMixin, keras.Model):
         generator_optimizer.build(self.generator.trainable_variables)
         discriminator_optimizer.build(self.discriminator.trainable_variables)
 
-    def train_step(self, data):
-        """One simultaneous update of both networks on a batch."""
-        real, noise, _ = keras.utils.unpack_x_y_sample_weight(data)
-        with tf.GradientTape() as g_tape, tf.GradientTape() as d_tape:
-            fake = self.generator(noise, training=True)
+    def discriminator_step(self, real, noise):
+        """One discriminator update: real samples against generated ones."""
+        fake = self.generator(noise, training=True)
+
+        def discriminator_loss():
             real_logits = self.discriminator(real, training=True)
             fake_logits = self.discriminator(fake, training=True)
-            d_loss = self.bce(
-                tf.ones_like(real_logits), real_logits
-            ) + self.bce(tf.zeros_like(fake_logits), fake_logits)
-            g_loss = self.bce(tf.ones_like(fake_logits), fake_logits)
+            loss = self.bce(ops.ones_like(real_logits), real_logits) + (
+                self.bce(ops.zeros_like(fake_logits), fake_logits)
+            )
+            self.report_metric("d_loss", loss * self.replicas())
+            return loss
+
         self.discriminator.minimize(
-            d_loss, d_tape, optimizer=self.discriminator_optimizer
+            discriminator_loss, optimizer=self.discriminator_optimizer
         )
+
+    def generator_step(self, noise):
+        """One generator update: make the discriminator call fakes real."""
+
+        def generator_loss():
+            fake_logits = self.discriminator(
+                self.generator(noise, training=True), training=True
+            )
+            loss = self.bce(ops.ones_like(fake_logits), fake_logits)
+            self.report_metric("g_loss", loss * self.replicas())
+            return loss
+
         self.generator.minimize(
-            g_loss, g_tape, optimizer=self.generator_optimizer
+            generator_loss, optimizer=self.generator_optimizer
         )
-        # Keras' losses divide by the replica count under tf.distribute.
-        replicas = custom_fit.pipeline.replica_count()
-        self.report_metric("d_loss", d_loss * replicas)
-        self.report_metric("g_loss", g_loss * replicas)
+
+    def train_step(self, data):
+        """The discriminator's update, then the generator's, on a batch."""
+        real, _, _ = keras.utils.unpack_x_y_sample_weight(data)
+        batch_size = ops.shape(real)[0]
+        self.discriminator_step(real, self.noise(batch_size))
+        self.generator_step(self.noise(batch_size))
         return self.get_metrics_result()
 
-
-def with_noise(samples, latent_dim, batch_size, seed):
-    """Returns an endless dataset of `(real batch, noise batch)`.
-
-    Each pass over `samples` is reshuffled and gets new noise; a given
-    `seed` gives the same batches in every run. The dataset repeats
-    forever: train on it with `steps_per_epoch=len(samples) // batch_size`,
-    one pass per epoch (full batches only, the remainder is dropped).
-
-    Args:
-        samples: Array of real samples.
-        latent_dim: Integer, the size of the generator's input.
-        batch_size: Integer.
-        seed: Integer, for the shuffle and the noise.
-
-    Returns:
-        A `tf.data.Dataset`.
-    """
-    data = tf.data.Dataset.from_tensor_slices(samples)
-    data = data.shuffle(len(samples), seed=seed)
-    data = data.batch(batch_size, drop_remainder=True).repeat()
-    # One iterator serves every epoch, so the seeded noise op continues its
-    # sequence. On a finite dataset `fit` makes a new iterator per epoch,
-    # and the op would restart, giving every epoch the same noise.
-    return data.map(
-        lambda real: (
-            real,
-            tf.random.normal((tf.shape(real)[0], latent_dim), seed=seed),
+    def noise(self, batch_size):
+        """Returns a fresh batch of the generator's input noise."""
+        return keras.random.normal(
+            (batch_size, self.latent_dim), seed=self.seed_generator
         )
-    )
+
+    @staticmethod
+    def replicas():
+        """Returns the replica count (1 on JAX), to log global-batch losses.
+
+        Keras' losses divide by it under `tf.distribute`.
+        """
+        return custom_fit.pipeline.replica_count()
 
 
-def build_gan(features, latent_dim, discriminator_clipnorm):
+def build_gan(features, latent_dim, discriminator_clipnorm, seed=0):
     """Returns the GAN: two small MLPs."""
+    init = keras.initializers.GlorotUniform
     noise = keras.Input((latent_dim,))
-    x = keras.layers.Dense(128, activation="relu", name="g_dense_1")(noise)
-    x = keras.layers.Dense(128, activation="relu", name="g_dense_2")(x)
+    x = keras.layers.Dense(
+        128, activation="relu", kernel_initializer=init(seed), name="g_dense_1"
+    )(noise)
+    x = keras.layers.Dense(
+        128,
+        activation="relu",
+        kernel_initializer=init(seed + 1),
+        name="g_dense_2",
+    )(x)
     pixels = keras.layers.Dense(
-        features, activation="sigmoid", name="g_pixels"
+        features,
+        activation="sigmoid",
+        kernel_initializer=init(seed + 2),
+        name="g_pixels",
     )(x)
     generator = Generator(noise, pixels, name="generator")
 
     sample = keras.Input((features,))
-    x = keras.layers.Dense(128, name="d_dense_1")(sample)
+    x = keras.layers.Dense(
+        128, kernel_initializer=init(seed + 3), name="d_dense_1"
+    )(sample)
     x = keras.layers.LeakyReLU(0.2)(x)
-    x = keras.layers.Dense(64, name="d_dense_2")(x)
+    x = keras.layers.Dense(
+        64, kernel_initializer=init(seed + 4), name="d_dense_2"
+    )(x)
     x = keras.layers.LeakyReLU(0.2)(x)
-    logit = keras.layers.Dense(1, name="d_logit")(x)
+    logit = keras.layers.Dense(
+        1, kernel_initializer=init(seed + 5), name="d_logit"
+    )(x)
     discriminator = Discriminator(
         sample,
         logit,
         global_clipnorm=discriminator_clipnorm,
         name="discriminator",
     )
-    return GAN(generator, discriminator)
+    return GAN(generator, discriminator, latent_dim, seed)
 
 
 def save_grid(images, path, columns=8):
     """Saves square grayscale images as a PNG grid."""
+    from matplotlib import figure
+
     side = digits.image_side(images.shape[1])
     rows = int(np.ceil(len(images) / columns))
-    figure, axes = pyplot.subplots(
-        rows, columns, figsize=(columns, rows), squeeze=False
-    )
+    canvas = figure.Figure(figsize=(columns, rows))
+    axes = canvas.subplots(rows, columns, squeeze=False)
     for axis in axes.ravel():
         axis.axis("off")
     for axis, image in zip(axes.ravel(), images):
         axis.imshow(image.reshape(side, side), cmap="gray_r", vmin=0, vmax=1)
-    figure.tight_layout()
-    figure.savefig(path)
-    pyplot.close(figure)
+    canvas.tight_layout()
+    canvas.savefig(path)
 
 
 def main(argv):
@@ -193,18 +221,19 @@ def main(argv):
     del argv
     keras.utils.set_random_seed(_SEED.value)
     (x_train, _), _ = digits.load_dataset(_DATASET.value, _SEED.value)
-    gan = build_gan(x_train.shape[1], _LATENT_DIM.value, _CLIPNORM.value)
+    gan = build_gan(
+        x_train.shape[1], _LATENT_DIM.value, _CLIPNORM.value, _SEED.value
+    )
     gan.compile(
         generator_optimizer=keras.optimizers.Adam(2e-4, beta_1=0.5),
         discriminator_optimizer=keras.optimizers.Adam(2e-4, beta_1=0.5),
     )
-    data = with_noise(
-        x_train, _LATENT_DIM.value, _BATCH_SIZE.value, _SEED.value
-    )
+    # Full batches only: a smaller last batch would trace the step again.
+    steps = len(x_train) // _BATCH_SIZE.value
     history = gan.fit(
-        data,
+        x_train[: steps * _BATCH_SIZE.value],
+        batch_size=_BATCH_SIZE.value,
         epochs=_EPOCHS.value,
-        steps_per_epoch=len(x_train) // _BATCH_SIZE.value,
         verbose=2,
     )
     for name, values in sorted(history.history.items()):

@@ -1,8 +1,8 @@
-"""GradientInspectionMixin against manual GradientTape computations."""
+"""GradientInspectionMixin against hand-computed gradients (the oracle)."""
 
 import keras
 import numpy as np
-import tensorflow as tf
+import pytest
 from absl.testing import parameterized
 
 import custom_fit
@@ -57,8 +57,8 @@ class GradientNormsTest(testing.TestCase):
     @parameterized.named_parameters(*testing.EXECUTION_MODES)
     def test_last_step_equals_manual_tape(self, mode):
         """After fit, gradient_norms and layer_gradients are those of the
-        last step: a manual tape on the last batch with the weights before
-        that step (taken from a plain Keras model trained on the batches
+        last step: the oracle's gradients on the last batch with the weights
+        before that step (taken from a plain Keras model trained on the batches
         before it)."""
         x, y = testing.classification_data()  # 4 batches of 16
         model = compiled(testing.mlp(Net, keep_gradients=True), **mode)
@@ -132,6 +132,7 @@ class GradientNormsTest(testing.TestCase):
         for layer, norm in norms_of(expected).items():
             self.assertAllClose(model.gradient_norms[layer], norm, rtol=1e-5)
 
+    @pytest.mark.tensorflow  # tf.distribute
     def test_mirrored_equals_single_device_tape(self):
         """Under MirroredStrategy the norms and kept gradients are those of
         the global batch."""
@@ -171,6 +172,7 @@ class GradientNormsTest(testing.TestCase):
         )
         self.assertAllClose(history.history["grad_norm"], per_epoch, rtol=1e-5)
 
+    @pytest.mark.tensorflow  # tf.distribute
     def test_several_steps_under_mirrored_strategy(self):
         """Four steps on two replicas: the figures are the single-device
         tape's on the last batch, with the weights before that step."""
@@ -193,7 +195,7 @@ class GradientNormsTest(testing.TestCase):
 
     def test_freezing_a_layer_and_compiling_again(self):
         """After `hidden` is frozen and the model recompiled, the figures
-        cover the trainable layer only and equal the tape's."""
+        cover the trainable layer only and equal the oracle's."""
         x, y = testing.classification_data(samples=16)
         model = compiled(testing.mlp(Net, keep_gradients=True))
         model.fit(x, y, batch_size=16, verbose=0)
@@ -220,7 +222,7 @@ class GradientNormsTest(testing.TestCase):
         )
 
     def test_clip_rate_counts_the_steps_clipping_changed(self):
-        """clip_rate is the share of steps whose tape norm exceeds the
+        """clip_rate is the share of steps whose oracle norm exceeds the
         bound: with a zero learning rate the weights stay put, and a bound
         between the two batches' norms clips one step of two."""
         x, y = testing.classification_data(samples=32)
@@ -345,8 +347,11 @@ class StatisticsTest(testing.TestCase):
             )
         self.assertEqual(model.inspected_step, 3)
 
+    @pytest.mark.tensorflow  # IndexedSlices are TensorFlow's
     def test_group_functions_on_indexed_slices(self):
         """Statistics of an IndexedSlices equal those of its dense sum."""
+        import tensorflow as tf
+
         slices = tf.IndexedSlices(
             tf.constant([[1.0, 0.0], [2.0, -3.0], [1.0, 0.0]]),
             tf.constant([0, 2, 0]),

@@ -1,7 +1,15 @@
-"""Pins the private Keras names that custom_fit/_keras_compat.py uses."""
+"""Pins the private Keras names that custom_fit/_keras_compat.py uses.
+
+Each name is pinned on the backends where custom_fit uses it: the trainer
+attributes and the pre-`fit` build on both, the optimizer's variable list
+on JAX, and the multi-worker workaround on TensorFlow.
+"""
 
 import keras
+import pytest
+from keras.src.models import cloning
 
+from custom_fit import _keras_compat
 from tests import testing
 
 
@@ -16,15 +24,48 @@ class KerasPrivatesTest(testing.TestCase):
         self.assertTrue(callable(model._compute_loss))
         self.assertIsInstance(model._call_has_training_arg, bool)
 
-    def test_symbolic_build_hook_exists(self):
+    def test_symbolic_build_exists(self):
+        """The pre-`fit` build that report_metric is muted in, on both."""
+        self.assertTrue(callable(testing.mlp()._symbolic_build))
+
+    @pytest.mark.tensorflow  # the MultiWorkerMirroredStrategy workaround
+    def test_maybe_symbolic_build_hook_exists(self):
         """The trainer method overridden for MultiWorkerMirroredStrategy."""
         model = testing.mlp()
         self.assertTrue(callable(model._maybe_symbolic_build))
         self.assertIsNone(model._distribute_strategy)
+
+    @pytest.mark.jax  # the JAX adapter applies with `stateless_apply`
+    def test_optimizer_trainable_variables(self):
+        """An optimizer's _trainable_variables lists the variables it was
+        built for, in order (a LossScaleOptimizer's inner optimizer's)."""
+        variables = testing.mlp().trainable_variables
+        plain = keras.optimizers.SGD()
+        scaled = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD())
+        for optimizer, inner in (
+            (plain, plain),
+            (scaled, scaled.inner_optimizer),
+        ):
+            optimizer.build(variables)
+            self.assertEqual(
+                [id(v) for v in inner._trainable_variables],
+                [id(v) for v in variables],
+            )
+
+    def test_clone_helpers_exist(self):
+        """clone_model's helpers that custom_fit recognises by name."""
+        self.assertTrue(
+            callable(getattr(cloning, _keras_compat._CLONE_FUNCTIONAL))
+        )
+        self.assertTrue(
+            callable(getattr(cloning, _keras_compat._CLONE_SEQUENTIAL))
+        )
 
     def test_loss_scale_optimizer_attributes(self):
         """The public LossScaleOptimizer attributes the pipeline reads."""
         optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD())
         self.assertEqual(optimizer.initial_scale, 2.0**15)
         optimizer.build(testing.mlp().trainable_variables)
-        self.assertEqual(float(optimizer.dynamic_scale.numpy()), 2.0**15)
+        self.assertEqual(
+            float(testing.to_numpy(optimizer.dynamic_scale)), 2.0**15
+        )

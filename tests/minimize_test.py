@@ -1,11 +1,20 @@
 """`minimize`, the gradient pipeline as a building block: a two-network GAN.
 
-The GAN is `examples/gan.py`'s, on two tiny networks.
+The GAN is `examples/gan.py`'s, on two tiny networks: each step updates the
+discriminator, then the generator (on fresh noise, against the updated
+discriminator), each through `minimize(loss_function, optimizer=...)`.
+The oracle is those alternating SGD steps written by hand: the same noise
+(Keras' seeded `keras.random.normal`), hand-written cross-entropies, and
+gradients of `stateless_call` from a `tf.GradientTape` on TensorFlow or
+`jax.value_and_grad` on JAX.
 """
+
+import contextlib
 
 import keras
 import numpy as np
-import tensorflow as tf
+import pytest
+from keras import ops
 
 import custom_fit
 from tests import testing
@@ -13,6 +22,7 @@ from tests import testing
 GAN = testing.import_example("gan").GAN
 
 NOISE, FEATURES = 3, 4
+SEED = 7  # of the GAN's noise
 
 
 class Generator(custom_fit.GradientInspectionMixin, keras.Model):
@@ -42,6 +52,7 @@ def networks(
     discriminator_class=keras.Model,
     **discriminator_kwargs,
 ):
+    """The generator and the discriminator, with fixed initial weights."""
     noise = keras.Input((NOISE,))
     hidden = dense(8, 1, "g_hidden", "relu")(noise)
     generator = generator_class(
@@ -58,94 +69,195 @@ def networks(
     return generator, discriminator
 
 
-def data(samples=32):
+def real_data(samples=32):
     rng = np.random.RandomState(0)
-    real = (rng.randn(samples, FEATURES) + 2.0).astype("float32")
-    noise = rng.randn(samples, NOISE).astype("float32")
-    return real, noise
+    return (rng.randn(samples, FEATURES) + 2.0).astype("float32")
 
 
 def train_gan(
-    strategy=None, batch_size=32, epochs=1, real=None, **discriminator_kwargs
+    strategy=None,
+    batch_size=32,
+    epochs=1,
+    real=None,
+    gan_class=GAN,
+    **discriminator_kwargs,
 ):
-    strategy = strategy or tf.distribute.get_strategy()
-    default_real, noise = data()
-    real = default_real if real is None else real
-    with strategy.scope():
+    """Trains the example's GAN on `real` (in order); returns it and its
+    History dict."""
+    real = real_data() if real is None else real
+    scope = contextlib.nullcontext() if strategy is None else strategy.scope()
+    with scope:
         generator, discriminator = networks(
             Generator, Discriminator, **discriminator_kwargs
         )
-        gan = GAN(generator, discriminator)
+        gan = gan_class(generator, discriminator, NOISE, seed=SEED)
         gan.compile(keras.optimizers.SGD(0.1), keras.optimizers.SGD(0.1))
     history = gan.fit(
-        real,
-        noise,
-        batch_size=batch_size,
-        epochs=epochs,
-        shuffle=False,
-        verbose=0,
+        real, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0
     )
     return gan, history.history
 
 
-def manual_gradients(real, noise):
-    """Gradients of both losses at the initial weights, plain tapes."""
-    generator, discriminator = networks()
-    bce = keras.losses.BinaryCrossentropy(from_logits=True)
-    with tf.GradientTape(persistent=True) as tape:
-        fake = generator(noise)
-        real_logits, fake_logits = discriminator(real), discriminator(fake)
-        d_loss = bce(tf.ones_like(real_logits), real_logits) + bce(
-            tf.zeros_like(fake_logits), fake_logits
+# The oracle.
+
+
+def value_and_gradients(loss_of, values):
+    """Returns `loss_of(values)` and its gradients w.r.t. `values`, a list
+    of arrays: a `tf.GradientTape` on TensorFlow, `jax.value_and_grad` on
+    JAX."""
+    if testing.BACKEND == "jax":
+        import jax
+
+        loss, gradients = jax.value_and_grad(loss_of)(
+            [jax.numpy.asarray(v) for v in values]
         )
-        g_loss = bce(tf.ones_like(fake_logits), fake_logits)
-    as_numpy = lambda gs: [tf.convert_to_tensor(g).numpy() for g in gs]  # noqa: E731
-    return (
-        generator.get_weights(),
-        as_numpy(tape.gradient(g_loss, generator.trainable_variables)),
-        discriminator.get_weights(),
-        as_numpy(tape.gradient(d_loss, discriminator.trainable_variables)),
-    )
+        return float(loss), [np.asarray(g) for g in gradients]
+    import tensorflow as tf
+
+    values = [tf.constant(v) for v in values]
+    with tf.GradientTape() as tape:
+        tape.watch(values)
+        loss = loss_of(values)
+    return float(loss), [g.numpy() for g in tape.gradient(loss, values)]
+
+
+def run(network, weights, x):
+    """The network's output with `weights` as its trainable values."""
+    outputs, _ = network.stateless_call(weights, [], x, training=True)
+    return outputs
+
+
+def cross_entropy(logits, label):
+    """Mean binary cross-entropy of logits against a constant label."""
+    if label == 1:
+        return ops.mean(ops.softplus(-logits))
+    return ops.mean(ops.softplus(logits))
+
+
+def alternating_sgd(real, batch_size, steps, clipnorm=None, lr=0.1):
+    """The example's steps by hand, from the initial weights of `networks`.
+
+    Per batch, in order: noise from a `SeedGenerator(SEED)`; SGD on the
+    discriminator's loss (its gradient clipped to `clipnorm` in global norm
+    with NumPy, or not); new noise; SGD on the generator's loss against the
+    updated discriminator.
+
+    Returns:
+        A dict: the final `generator` and `discriminator` weights, and per
+        step the losses and the gradients (`d_loss`, `d_grads`, `g_loss`,
+        `g_grads`, lists).
+    """
+    generator, discriminator = networks()
+    g_weights = [testing.to_numpy(v) for v in generator.trainable_variables]
+    d_weights = [testing.to_numpy(v) for v in discriminator.trainable_variables]
+    seeds = keras.random.SeedGenerator(SEED)
+    record = {"d_loss": [], "d_grads": [], "g_loss": [], "g_grads": []}
+    for step in range(steps):
+        batch = real[step * batch_size : (step + 1) * batch_size]
+        noise = keras.random.normal((len(batch), NOISE), seed=seeds)
+        fake = testing.to_numpy(run(generator, g_weights, noise))
+        d_loss, d_grads = value_and_gradients(
+            lambda w, batch=batch, fake=fake: (
+                cross_entropy(run(discriminator, w, batch), 1)
+                + cross_entropy(run(discriminator, w, fake), 0)
+            ),
+            d_weights,
+        )
+        update = d_grads
+        if clipnorm is not None:
+            update = testing.numpy_clip_by_global_norm(d_grads, clipnorm)
+        d_weights = testing.weights_after_one_sgd_step(d_weights, update, lr)
+        noise = testing.to_numpy(
+            keras.random.normal((len(batch), NOISE), seed=seeds)
+        )
+        g_loss, g_grads = value_and_gradients(
+            lambda w, noise=noise, d_weights=d_weights: cross_entropy(
+                run(discriminator, d_weights, run(generator, w, noise)), 1
+            ),
+            g_weights,
+        )
+        g_weights = testing.weights_after_one_sgd_step(g_weights, g_grads, lr)
+        for key, value in zip(
+            ("d_loss", "d_grads", "g_loss", "g_grads"),
+            (d_loss, d_grads, g_loss, g_grads),
+        ):
+            record[key].append(value)
+    record.update(generator=g_weights, discriminator=d_weights)
+    return record
 
 
 def global_norm(gradients):
     return np.sqrt(sum(np.sum(np.float64(g) ** 2) for g in gradients))
 
 
+class NoiseFromData(GAN):
+    """The example's GAN with noise computed from each real sample.
+
+    A replica then gets the noise of its share of the batch, as one device
+    gets that of the whole batch (the seeded noise is the same on every
+    replica), so a mirrored run can equal a single-device one.
+    """
+
+    def train_step(self, data):
+        real, _, _ = keras.utils.unpack_x_y_sample_weight(data)
+        self.discriminator_step(real, ops.sin(3.0 * real[:, :NOISE]))
+        self.generator_step(ops.cos(5.0 * real[:, :NOISE]))
+        return self.get_metrics_result()
+
+
 class GANTest(testing.TestCase):
+    def test_steps_equal_alternating_sgd_by_hand(self):
+        """Two epochs of two steps: weights and logged losses equal the
+        hand-written alternating updates."""
+        gan, history = train_gan(batch_size=16, epochs=2)
+        expected = alternating_sgd(
+            np.concatenate([real_data()] * 2), 16, steps=4
+        )
+        self.assertAllClose(
+            gan.discriminator.get_weights(),
+            expected["discriminator"],
+            atol=1e-5,
+        )
+        self.assertAllClose(
+            gan.generator.get_weights(), expected["generator"], atol=1e-5
+        )
+        for key in ("d_loss", "g_loss"):
+            per_epoch = np.reshape(expected[key], (2, 2)).mean(axis=1)
+            self.assertAllClose(history[key], per_epoch, rtol=1e-5, msg=key)
+
     def test_discriminator_clipping_changes_only_its_updates(self):
         """One step: the clipped discriminator's update equals SGD with the
-        numpy-clipped gradient; the generator's equals the unclipped run's."""
-        real, noise = data()
-        g_weights, g_grads, d_weights, d_grads = manual_gradients(real, noise)
-        norm = global_norm(d_grads)
-        max_norm = norm / 4  # the clip bites
+        NumPy-clipped gradient; the generator's is SGD with its unclipped
+        gradient (larger than the bound), against the updated
+        discriminator."""
+        real = real_data()
+        unclipped = alternating_sgd(real, 32, steps=1)
+        max_norm = global_norm(unclipped["d_grads"][0]) / 4  # the clip bites
+        expected = alternating_sgd(real, 32, steps=1, clipnorm=max_norm)
+        self.assertGreater(global_norm(expected["g_grads"][0]), 2 * max_norm)
 
         clipped, _ = train_gan(global_clipnorm=max_norm)
+        self.assertAllClose(
+            clipped.discriminator.get_weights(), expected["discriminator"]
+        )
+        self.assertAllClose(
+            clipped.generator.get_weights(), expected["generator"]
+        )
         keras.backend.clear_session()
-        unclipped, _ = train_gan()
-
-        d_expected = testing.weights_after_one_sgd_step(
-            d_weights, [g * max_norm / norm for g in d_grads], 0.1
-        )
-        self.assertAllClose(clipped.discriminator.get_weights(), d_expected)
+        plain, _ = train_gan()
         self.assertAllClose(
-            unclipped.discriminator.get_weights(),
-            testing.weights_after_one_sgd_step(d_weights, d_grads, 0.1),
+            plain.discriminator.get_weights(), unclipped["discriminator"]
         )
         self.assertAllClose(
-            clipped.generator.get_weights(), unclipped.generator.get_weights()
-        )
-        self.assertAllClose(
-            clipped.generator.get_weights(),
-            testing.weights_after_one_sgd_step(g_weights, g_grads, 0.1),
+            plain.generator.get_weights(), unclipped["generator"]
         )
 
     def test_each_network_logs_its_own_inspection(self):
         """Each network's grad_norm is logged under its name and equals the
         norm of its gradient; per-layer norms are readable on each."""
-        real, noise = data()
-        _, g_grads, _, d_grads = manual_gradients(real, noise)
+        expected = alternating_sgd(real_data(), 32, steps=1, clipnorm=0.1)
+        d_grads, g_grads = expected["d_grads"][0], expected["g_grads"][0]
+        self.assertGreater(global_norm(d_grads), 0.5)  # the clip bites
         gan, history = train_gan(global_clipnorm=0.1)
         self.assertEqual(
             sorted(history),
@@ -179,18 +291,21 @@ class GANTest(testing.TestCase):
             rtol=1e-5,
         )
 
+    @pytest.mark.tensorflow
     def test_under_mirrored_strategy_equals_single_device(self):
         """Two replicas, clipped discriminator, four steps: the same
-        weights and logs as one device."""
-        single, single_history = train_gan(
-            batch_size=16, epochs=2, global_clipnorm=0.1
-        )
-        keras.backend.clear_session()
-        mirrored, mirrored_history = train_gan(
-            testing.mirrored_strategy(),
+        weights and logs as one device (noise from the data, see
+        `NoiseFromData`). TensorFlow only: tf.distribute."""
+        kwargs = dict(
             batch_size=16,
             epochs=2,
+            gan_class=NoiseFromData,
             global_clipnorm=0.1,
+        )
+        single, single_history = train_gan(**kwargs)
+        keras.backend.clear_session()
+        mirrored, mirrored_history = train_gan(
+            testing.mirrored_strategy(), **kwargs
         )
         self.assertWeightsClose(single, mirrored, atol=2e-6)
         for key in single_history:
@@ -202,20 +317,15 @@ class GANTest(testing.TestCase):
         """NaN real images poison only the discriminator's gradient: it
         skips (weights unchanged, counted under its name), the generator
         trains, and the network's consecutive-skip limit stops fit."""
-        real, _ = data()
-        real[:] = np.nan
+        real = np.full_like(real_data(), np.nan)
         gan, history = train_gan(real=real, batch_size=16, skip_nonfinite=True)
-        _, discriminator = networks()
+        generator, discriminator = networks()
         self.assertAllClose(
             gan.discriminator.get_weights(), discriminator.get_weights()
         )
         self.assertEqual(history["discriminator_skipped_steps"], [2.0])
-        generator, _ = networks()
-        moved = max(
-            np.abs(a - b).max()
-            for a, b in zip(
-                gan.generator.get_weights(), generator.get_weights()
-            )
+        moved = testing.max_difference(
+            gan.generator.get_weights(), generator.get_weights()
         )
         self.assertGreater(moved, 1e-4)
         keras.backend.clear_session()
@@ -228,17 +338,42 @@ class GANTest(testing.TestCase):
             )
 
 
+def mean_output(generator):
+    """A loss function: the mean output of `generator` on a ones batch."""
+    return lambda: ops.mean(generator(ops.ones((2, NOISE))))
+
+
 class MinimizeTest(testing.TestCase):
     def test_without_an_optimizer_raises(self):
         """`minimize` on a network that has no optimizer names the fix."""
         generator, _ = networks(Generator)
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_sum(generator(tf.ones((2, NOISE))))
         with self.assertRaisesRegex(ValueError, r"optimizer=None"):
-            generator.minimize(loss, tape)
+            generator.minimize(mean_output(generator))
 
     def test_eager_call_equals_sgd(self):
-        """Called eagerly outside fit, it updates like SGD."""
+        """Called eagerly outside fit, with a loss function, it updates
+        like SGD."""
+        generator, _ = networks(Generator)
+        weights = generator.get_weights()
+        _, gradients = value_and_gradients(
+            lambda w: ops.mean(run(generator, w, ops.ones((2, NOISE)))),
+            weights,
+        )
+        optimizer = keras.optimizers.SGD(0.5)
+        self.assertIsNone(
+            generator.minimize(mean_output(generator), optimizer=optimizer)
+        )
+        self.assertAllClose(
+            generator.get_weights(),
+            testing.weights_after_one_sgd_step(weights, gradients, 0.5),
+        )
+
+    @pytest.mark.tensorflow
+    def test_eager_tape_call_equals_sgd(self):
+        """The TensorFlow form, a loss recorded on a tape, updates like SGD
+        too. TensorFlow only: tf.GradientTape."""
+        import tensorflow as tf
+
         generator, _ = networks(Generator)
         weights = generator.get_weights()
         optimizer = keras.optimizers.SGD(0.5)
@@ -255,17 +390,18 @@ class MinimizeTest(testing.TestCase):
             ),
         )
 
+    @pytest.mark.tensorflow
     def test_loss_function_equals_loss_and_tape(self):
-        """minimize(loss_fn) updates exactly like minimize(loss, tape)."""
+        """minimize(loss_fn) updates exactly like minimize(loss, tape).
+        TensorFlow only: the tape form."""
+        import tensorflow as tf
+
         results = []
         for form in ("function", "tape"):
             keras.utils.set_random_seed(0)
             generator, _ = networks(Generator)
             optimizer = keras.optimizers.SGD(0.5)
-
-            def loss_fn(generator=generator):
-                return tf.reduce_mean(generator(tf.ones((2, NOISE))))
-
+            loss_fn = mean_output(generator)
             if form == "function":
                 generator.minimize(loss_fn, optimizer=optimizer)
             else:
@@ -275,13 +411,34 @@ class MinimizeTest(testing.TestCase):
             results.append(generator.get_weights())
         self.assertAllClose(results[0], results[1], atol=0)
 
-    def test_loss_and_tape_mixed_up_raise(self):
-        """A tensor without its tape, or a function with one, is refused."""
+    def test_loss_tensor_without_tape_raises(self):
+        """A loss tensor without its tape is refused."""
         generator, _ = networks(Generator)
-        optimizer = keras.optimizers.SGD()
         with self.assertRaisesRegex(ValueError, "tape=None"):
-            generator.minimize(tf.constant(1.0), optimizer=optimizer)
+            generator.minimize(
+                ops.convert_to_tensor(1.0), optimizer=keras.optimizers.SGD()
+            )
+
+    @pytest.mark.tensorflow
+    def test_loss_function_with_a_tape_raises(self):
+        """A loss function with a tape is refused. TensorFlow only: a
+        tf.GradientTape."""
+        import tensorflow as tf
+
+        generator, _ = networks(Generator)
         with tf.GradientTape() as tape:
             pass
         with self.assertRaisesRegex(ValueError, "Leave `tape` out"):
-            generator.minimize(lambda: 0.0, tape, optimizer=optimizer)
+            generator.minimize(
+                lambda: 0.0, tape, optimizer=keras.optimizers.SGD()
+            )
+
+    @pytest.mark.jax
+    def test_tape_form_refused_on_jax(self):
+        """On JAX, a loss with a tape is refused, pointing to the loss
+        function form."""
+        generator, _ = networks(Generator)
+        loss = mean_output(generator)()
+        tape = contextlib.nullcontext()  # stands for a tf.GradientTape
+        with self.assertRaisesRegex(ValueError, r"minimize\(loss_function"):
+            generator.minimize(loss, tape, optimizer=keras.optimizers.SGD())

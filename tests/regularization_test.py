@@ -1,9 +1,12 @@
 """RegularizationMixin: components in History, penalties against oracles."""
 
+import inspect
+
 import keras
 import numpy as np
-import tensorflow as tf
+import pytest
 from absl.testing import parameterized
+from keras import ops
 
 import custom_fit
 from custom_fit import regularization
@@ -18,14 +21,14 @@ class InputMeanTerm(Net):
     """Reports a data-dependent term: 0.1 * mean of the first feature."""
 
     def regularization_losses(self, x, y, y_pred):
-        return {"input_mean": 0.1 * tf.reduce_mean(x[:, 0])}
+        return {"input_mean": 0.1 * ops.mean(x[:, 0])}
 
 
 class StepCounterTerm(Net):
     """Reports the optimizer's step count: known in advance for each step."""
 
     def regularization_losses(self, x, y, y_pred):
-        return {"step": tf.cast(self.optimizer.iterations, tf.float32)}
+        return {"step": ops.cast(self.optimizer.iterations, "float32")}
 
 
 class ActivityPenalty(keras.layers.Layer):
@@ -63,51 +66,111 @@ def double_tape_step(
     weight,
     form,
     sample_weight=None,
-    watch=tf.nest.flatten,
-    forward=lambda model, x: model(x, training=True),
+    watch_key=None,
+    forward=lambda call, x: call(x),
 ):
     """One SGD step on loss + weight * input-gradient penalty, by hand.
 
     Each sample's penalty `p_i` comes from the gradient of its own unweighted
-    loss with respect to the inputs `watch(x)`; losses and penalties are then
-    weighted as Keras weights a loss: `sum_i w_i * v_i / batch_size`.
-    Returns the updated weights and the penalty before the step.
+    loss with respect to the inputs (`x`, or `x[watch_key]` alone); losses
+    and penalties are then weighted as Keras weights a loss:
+    `sum_i w_i * v_i / batch_size`. The model's output is
+    `forward(call, x)`, `call` running the model. Nested
+    `tf.GradientTape`s on TensorFlow, nested `jax.grad` of `stateless_call`
+    on JAX. Returns the updated weights and the penalty before the step.
     """
-    per_sample_loss = keras.losses.SparseCategoricalCrossentropy(
-        from_logits=True, reduction=None
-    )
     batch = len(y)
-    w = (
-        tf.ones([batch])
-        if sample_weight is None
-        else tf.constant(sample_weight, tf.float32)
+    w = np.ones([batch], "float32") if sample_weight is None else sample_weight
+    w = np.asarray(w, "float32")
+    step = _double_grad_jax if testing.BACKEND == "jax" else _double_tape_tf
+    grads, penalty = step(model, x, y, weight, form, w, watch_key, forward)
+    updated = testing.weights_after_one_sgd_step(
+        [testing.to_numpy(v) for v in model.trainable_variables],
+        [testing.to_numpy(g) for g in grads],
+        learning_rate,
     )
+    return updated, float(penalty)
+
+
+def _per_sample_loss(y, y_pred):
+    return keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True, reduction=None
+    )(y, y_pred)
+
+
+def _penalty_and_total(losses, per_sample, w, weight, form):
+    """The weighted loss plus penalty, from per-sample losses and input
+    gradients (keras.ops, on either backend)."""
+    batch = w.shape[0]
+    norms = sum(
+        ops.sum(ops.square(ops.reshape(g, [batch, -1])), axis=1)
+        for g in per_sample
+    )
+    if form == "squared_norm":
+        p = norms
+    else:
+        p = ops.square(ops.sqrt(norms + 1e-12) - 1.0)
+    penalty = ops.sum(w * p) / batch
+    total = ops.sum(w * losses) / batch + weight * penalty
+    return total, penalty
+
+
+def _with_watched(x, watch_key, watched):
+    """`x` with its watched part replaced by `watched`."""
+    if watch_key is None:
+        return watched
+    return {**x, watch_key: watched}
+
+
+def _double_tape_tf(model, x, y, weight, form, w, watch_key, forward):
+    import tensorflow as tf
+
     x = tf.nest.map_structure(tf.constant, x)
-    watched = watch(x)
+    watched = x if watch_key is None else x[watch_key]
     with tf.GradientTape() as outer:
         with tf.GradientTape() as inner:
             inner.watch(watched)
-            losses = per_sample_loss(y, forward(model, x))
+            losses = _per_sample_loss(
+                y, forward(lambda x: model(x, training=True), x)
+            )
             summed = tf.reduce_sum(losses)
-        per_sample = inner.gradient(summed, watched)
-        norms = tf.add_n(
-            [
-                tf.reduce_sum(tf.square(tf.reshape(g, [batch, -1])), axis=1)
-                for g in per_sample
-            ]
-        )
-        if form == "squared_norm":
-            p = norms
-        else:
-            p = tf.square(tf.sqrt(norms + 1e-12) - 1.0)
-        penalty = tf.reduce_sum(w * p) / batch
-        total = tf.reduce_sum(w * losses) / batch + weight * penalty
-    grads = outer.gradient(total, model.trainable_variables)
-    updated = [
-        w.numpy() - learning_rate * tf.convert_to_tensor(g).numpy()
-        for w, g in zip(model.trainable_variables, grads)
-    ]
-    return updated, float(penalty)
+        per_sample = [inner.gradient(summed, watched)]
+        total, penalty = _penalty_and_total(losses, per_sample, w, weight, form)
+    return outer.gradient(total, model.trainable_variables), penalty
+
+
+def _double_grad_jax(model, x, y, weight, form, w, watch_key, forward):
+    import jax
+    import jax.numpy as jnp
+
+    x = jax.tree_util.tree_map(jnp.asarray, x)
+    if not model.built:
+        model(x)  # creates the weights, as the first call on TensorFlow
+    non_trainable = [v.value for v in model.non_trainable_variables]
+    # As `model(x, training=True)`: Keras passes `training` only to a `call`
+    # that takes it.
+    kwargs = {}
+    if "training" in inspect.signature(model.call).parameters:
+        kwargs["training"] = True
+
+    def total_loss(weights):
+        def call(inputs):
+            outputs, _ = model.stateless_call(
+                weights, non_trainable, inputs, **kwargs
+            )
+            return outputs
+
+        def summed(watched):
+            inputs = _with_watched(x, watch_key, watched)
+            return jnp.sum(_per_sample_loss(y, forward(call, inputs)))
+
+        watched = x if watch_key is None else x[watch_key]
+        per_sample = [jax.grad(summed)(watched)]
+        losses = _per_sample_loss(y, forward(call, x))
+        return _penalty_and_total(losses, per_sample, w, weight, form)
+
+    weights = [v.value for v in model.trainable_variables]
+    return jax.grad(total_loss, has_aux=True)(weights)
 
 
 class UsesOneInput(custom_fit.RegularizationMixin, keras.Model):
@@ -239,7 +302,7 @@ class PenaltyOracleTest(testing.TestCase):
         kernels_only = compiled(testing.mlp(Net, l2=0.01))
         logs = kernels_only.evaluate(x, y, verbose=0, return_dict=True)
         kernels = [
-            w.numpy()
+            testing.to_numpy(w)
             for w in kernels_only.trainable_variables
             if w.path.endswith("kernel")
         ]
@@ -254,7 +317,9 @@ class PenaltyOracleTest(testing.TestCase):
             )
         )
         logs = with_biases.evaluate(x, y, verbose=0, return_dict=True)
-        everything = [w.numpy() for w in with_biases.trainable_variables]
+        everything = [
+            testing.to_numpy(w) for w in with_biases.trainable_variables
+        ]
         self.assertAllClose(
             logs["l2_penalty"],
             0.01 * sum(np.sum(w**2) for w in everything),
@@ -335,7 +400,7 @@ class PenaltyOracleTest(testing.TestCase):
             0.5,
             0.5,
             "squared_norm",
-            watch=lambda x: [x["used"]],
+            watch_key="used",
         )
         compiled(model, learning_rate=0.5)
         model.fit(inputs, y, batch_size=32, verbose=0)
@@ -355,7 +420,7 @@ class PenaltyOracleTest(testing.TestCase):
             0.5,
             0.5,
             "squared_norm",
-            watch=lambda x: [x["features"]],
+            watch_key="features",
         )
         compiled(model, learning_rate=0.5)
         model.fit(inputs, y, batch_size=32, verbose=0)
@@ -373,7 +438,7 @@ class PenaltyOracleTest(testing.TestCase):
             0.5,
             0.5,
             "squared_norm",
-            forward=lambda model, x: model(2.0 * x, training=True),
+            forward=lambda call, x: call(2.0 * x),
         )
         compiled(model, learning_rate=0.5)
         model.fit(x, y, batch_size=32, verbose=0)
@@ -381,13 +446,15 @@ class PenaltyOracleTest(testing.TestCase):
 
 
 class MirroredRegularizationTest(testing.TestCase):
+    @pytest.mark.tensorflow
     def test_mirrored_equals_single_device(self):
         """Hook term, l2 and input-gradient penalty on 2 replicas equal one
-        device: no term counts twice."""
+        device: no term counts twice. TensorFlow only: tf.distribute."""
+        import tensorflow as tf
 
         class Smooth(Net):
             def regularization_losses(self, x, y, y_pred):
-                return {"smoothness": 0.1 * tf.reduce_mean(tf.square(y_pred))}
+                return {"smoothness": 0.1 * ops.mean(ops.square(y_pred))}
 
         x, y = testing.classification_data()
         options = dict(l2=0.01, input_gradient_penalty=0.1)
@@ -526,7 +593,7 @@ class PureFunctionsTest(testing.TestCase):
 
     def test_input_gradient_penalty_hand_values(self):
         """(9 + 16) / 2 and ((5 - 1)^2 + (0 - 1)^2) / 2."""
-        grads = [tf.constant([[3.0, 4.0], [0.0, 0.0]])]
+        grads = [ops.convert_to_tensor([[3.0, 4.0], [0.0, 0.0]])]
         self.assertAllClose(regularization.input_gradient_penalty(grads), 12.5)
         self.assertAllClose(
             regularization.input_gradient_penalty(grads, "wgan_gp"),
@@ -537,8 +604,11 @@ class PureFunctionsTest(testing.TestCase):
     def test_input_gradient_penalty_weighted_hand_values(self):
         """Weights (2, 0, 1): (2*25 + 0*0 + 1*1) / 3 and
         (2*(5-1)^2 + 0*(0-1)^2 + 1*(1-1)^2) / 3; a None gradient adds 0."""
-        grads = [tf.constant([[3.0, 4.0], [0.0, 0.0], [1.0, 0.0]]), None]
-        weights = tf.constant([2.0, 0.0, 1.0])
+        grads = [
+            ops.convert_to_tensor([[3.0, 4.0], [0.0, 0.0], [1.0, 0.0]]),
+            None,
+        ]
+        weights = ops.convert_to_tensor([2.0, 0.0, 1.0])
         self.assertAllClose(
             regularization.input_gradient_penalty(grads, sample_weight=weights),
             51.0 / 3.0,
@@ -573,11 +643,16 @@ def critic(**options):
 
 
 class CriticTrainer(custom_fit.TrainStepMixin, keras.Model):
-    """One WGAN critic update per batch of (real, fake, alpha)."""
+    """One WGAN critic update per batch of (real, fake, alpha).
 
-    def __init__(self, critic, **kwargs):
+    The critic's loss goes to `minimize` as a loss function, or with
+    `form="tape"` as a loss recorded on a `tf.GradientTape` (TensorFlow).
+    """
+
+    def __init__(self, critic, form="function", **kwargs):
         super().__init__(**kwargs)
         self.critic = critic
+        self.form = form
         self.built = True
 
     def compile(self, critic_optimizer, **kwargs):
@@ -585,53 +660,119 @@ class CriticTrainer(custom_fit.TrainStepMixin, keras.Model):
         self.critic_optimizer = critic_optimizer
         critic_optimizer.build(self.critic.trainable_variables)
 
+    def critic_loss(self, real, fake):
+        return ops.mean(self.critic(fake, training=True)) - ops.mean(
+            self.critic(real, training=True)
+        )
+
     def train_step(self, data):
         real, fake, alpha = data[0]
-        with tf.GradientTape() as tape:
-            d_loss = tf.reduce_mean(
-                self.critic(fake, training=True)
-            ) - tf.reduce_mean(self.critic(real, training=True))
         interpolated = real + alpha * (fake - real)
-        self.critic.minimize(
-            d_loss,
-            tape,
-            optimizer=self.critic_optimizer,
-            penalty_inputs=interpolated,
-        )
-        self.report_metric("d_loss", d_loss)
+        if self.form == "tape":
+            import tensorflow as tf
+
+            with tf.GradientTape() as tape:
+                d_loss = self.critic_loss(real, fake)
+            self.critic.minimize(
+                d_loss,
+                tape,
+                optimizer=self.critic_optimizer,
+                penalty_inputs=interpolated,
+            )
+            self.report_metric("d_loss", d_loss)
+        else:
+
+            def loss_function():
+                d_loss = self.critic_loss(real, fake)
+                self.report_metric("d_loss", d_loss)
+                return d_loss
+
+            self.critic.minimize(
+                loss_function,
+                optimizer=self.critic_optimizer,
+                penalty_inputs=interpolated,
+            )
         return self.get_metrics_result()
 
 
 def wgan_gp_oracle(model, real, fake, alpha, gp_weight, l2, learning_rate):
     """One SGD step of the critic on the WGAN-GP loss written by hand:
     mean(D(fake)) - mean(D(real)) + gp_weight * mean((||dD/dx(x_hat)|| -
-    1)^2) + l2 * sum(kernel^2), with x_hat = real + alpha (fake - real).
-    Returns the new weights, the penalty term and the l2 term."""
-    real, fake, alpha = (tf.constant(a) for a in (real, fake, alpha))
+    1)^2) + l2 * sum(kernel^2), with x_hat = real + alpha (fake - real);
+    nested `tf.GradientTape`s on TensorFlow, nested `jax.grad` of
+    `stateless_call` on JAX. Returns the new weights, the penalty term and
+    the l2 term."""
     interpolated = real + alpha * (fake - real)
+    kernels = ["kernel" in v.path for v in model.trainable_variables]
+    oracle = _wgan_gp_jax if testing.BACKEND == "jax" else _wgan_gp_tf
+    grads, gp, l2_term = oracle(
+        model, real, fake, interpolated, gp_weight, l2, kernels
+    )
+    weights = testing.weights_after_one_sgd_step(
+        [testing.to_numpy(v) for v in model.trainable_variables],
+        [testing.to_numpy(g) for g in grads],
+        learning_rate,
+    )
+    return weights, float(gp), float(l2_term)
+
+
+def _wgan_gp_tf(model, real, fake, interpolated, gp_weight, l2, kernels):
+    import tensorflow as tf
+
+    interpolated = tf.constant(interpolated)
+    variables = model.trainable_variables
     with tf.GradientTape() as outer:
         with tf.GradientTape() as inner:
             inner.watch(interpolated)
             score = model(interpolated, training=True)
         slopes = tf.norm(inner.gradient(score, interpolated), axis=1)
         gp = gp_weight * tf.reduce_mean(tf.square(slopes - 1.0))
-        kernels = [v for v in model.trainable_variables if "kernel" in v.path]
-        l2_term = l2 * tf.add_n([tf.reduce_sum(k**2) for k in kernels])
+        l2_term = l2 * tf.add_n(
+            [tf.reduce_sum(v**2) for v, k in zip(variables, kernels) if k]
+        )
         loss = (
             tf.reduce_mean(model(fake, training=True))
             - tf.reduce_mean(model(real, training=True))
             + gp
             + l2_term
         )
-    grads = outer.gradient(loss, model.trainable_variables)
-    weights = [
-        v.numpy() - learning_rate * g.numpy()
-        for v, g in zip(model.trainable_variables, grads)
-    ]
-    return weights, float(gp), float(l2_term)
+    return outer.gradient(loss, variables), gp, l2_term
 
 
-class NetworkPenaltyTest(testing.TestCase):
+def _wgan_gp_jax(model, real, fake, interpolated, gp_weight, l2, kernels):
+    import jax
+    import jax.numpy as jnp
+
+    def score(weights, x):
+        outputs, _ = model.stateless_call(weights, [], x, training=True)
+        return outputs
+
+    def loss(weights):
+        # Each score depends on its own sample only: the gradient of their
+        # sum is each sample's input gradient.
+        slopes = jnp.linalg.norm(
+            jax.grad(lambda x: jnp.sum(score(weights, x)))(interpolated),
+            axis=1,
+        )
+        gp = gp_weight * jnp.mean(jnp.square(slopes - 1.0))
+        l2_term = l2 * sum(jnp.sum(v**2) for v, k in zip(weights, kernels) if k)
+        total = (
+            jnp.mean(score(weights, fake))
+            - jnp.mean(score(weights, real))
+            + gp
+            + l2_term
+        )
+        return total, (gp, l2_term)
+
+    weights = [v.value for v in model.trainable_variables]
+    grads, (gp, l2_term) = jax.grad(loss, has_aux=True)(weights)
+    return grads, gp, l2_term
+
+
+class CriticCase(testing.TestCase):
+    """Trains a penalized critic through `CriticTrainer` against the
+    oracle."""
+
     def wgan_data(self):
         rng = np.random.RandomState(0)
         real = rng.randn(16, 4).astype("float32")
@@ -639,16 +780,7 @@ class NetworkPenaltyTest(testing.TestCase):
         alpha = rng.uniform(size=(16, 1)).astype("float32")
         return real, fake, alpha
 
-    @parameterized.named_parameters(
-        ("eager", True, False), ("graph_fn", False, False), ("jit", False, True)
-    )
-    def test_critic_penalties_through_minimize_equal_hand_written(
-        self, run_eagerly, jit_compile
-    ):
-        """A critic updated through another model's `minimize` gets its
-        WGAN-GP penalty (at the inputs the caller names) and its l2 from the
-        library: the update equals the hand-written formula, and both terms
-        are logged under the critic's name."""
+    def check_critic_penalties(self, form, run_eagerly, jit_compile):
         real, fake, alpha = self.wgan_data()
         network = critic(
             input_gradient_penalty=10.0,
@@ -658,7 +790,7 @@ class NetworkPenaltyTest(testing.TestCase):
         expected, gp, l2_term = wgan_gp_oracle(
             network, real, fake, alpha, 10.0, 0.01, 0.1
         )
-        trainer = CriticTrainer(network)
+        trainer = CriticTrainer(network, form=form)
         trainer.compile(
             keras.optimizers.SGD(0.1),
             run_eagerly=run_eagerly,
@@ -672,39 +804,62 @@ class NetworkPenaltyTest(testing.TestCase):
             history["critic_input_gradient_penalty"], [gp], rtol=1e-5
         )
         self.assertAllClose(history["critic_l2_penalty"], [l2_term], rtol=1e-5)
+        return history
+
+
+class NetworkPenaltyTest(CriticCase):
+    @parameterized.named_parameters(
+        ("eager", True, False), ("graph_fn", False, False), ("jit", False, True)
+    )
+    def test_critic_penalties_through_minimize_equal_hand_written(
+        self, run_eagerly, jit_compile
+    ):
+        """A critic updated through another model's `minimize` (a loss
+        function) gets its WGAN-GP penalty (at the inputs the caller names)
+        and its l2 from the library: the update equals the hand-written
+        formula, and both terms are logged under the critic's name."""
+        real, fake, _ = self.wgan_data()
+        history = self.check_critic_penalties(
+            "function", run_eagerly, jit_compile
+        )
+        network = critic()
+        self.assertAllClose(
+            history["d_loss"],
+            [
+                np.mean(testing.to_numpy(network(fake)))
+                - np.mean(testing.to_numpy(network(real)))
+            ],
+            rtol=1e-5,
+        )
 
     def test_without_penalty_inputs_the_critic_refuses(self):
         """The penalty has no inputs to be taken at: refused, naming the
         keyword."""
         network = critic(input_gradient_penalty=10.0)
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(network(tf.ones((2, 4))))
         with self.assertRaisesRegex(ValueError, "penalty_inputs=None"):
-            network.minimize(loss, tape, optimizer=keras.optimizers.SGD())
+            network.minimize(
+                lambda: ops.mean(network(ops.ones((2, 4)))),
+                optimizer=keras.optimizers.SGD(),
+            )
 
     def test_penalty_inputs_without_the_penalty_are_refused(self):
         """penalty_inputs on a network without the penalty would do nothing."""
         network = critic(l2=0.01)
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(network(tf.ones((2, 4))))
         with self.assertRaisesRegex(ValueError, "`penalty_inputs`"):
             network.minimize(
-                loss,
-                tape,
+                lambda: ops.mean(network(ops.ones((2, 4)))),
                 optimizer=keras.optimizers.SGD(),
-                penalty_inputs=tf.ones((2, 4)),
+                penalty_inputs=ops.ones((2, 4)),
             )
 
-    def test_own_compute_loss_is_not_penalized_twice(self):
-        """A custom step that minimizes the model's own compute_loss gets the
-        l2 term once (equal to fit with the built-in step)."""
-
+    def check_own_compute_loss_is_not_penalized_twice(self, own_step):
         class OwnStep(Net):
             def train_step(self, data):
                 x, y = data
-                with tf.GradientTape() as tape:
-                    loss = self.compute_loss(x, y, self(x, training=True))
-                self.minimize(loss, tape)
+                own_step(
+                    self,
+                    lambda: self.compute_loss(x, y, self(x, training=True)),
+                )
                 return self.get_metrics_result()
 
         x, y = testing.classification_data(samples=16)
@@ -713,6 +868,48 @@ class NetworkPenaltyTest(testing.TestCase):
         for model in (custom, built_in):
             model.fit(x, y, batch_size=16, verbose=0)
         self.assertWeightsClose(custom, built_in)
+        unpenalized = compiled(testing.mlp(Net))
+        unpenalized.fit(x, y, batch_size=16, verbose=0)
+        self.assertGreater(
+            testing.max_difference(
+                custom.get_weights(), unpenalized.get_weights()
+            ),
+            1e-3,
+        )
+
+    def test_own_compute_loss_is_not_penalized_twice(self):
+        """A custom step that minimizes (as a loss function) the model's own
+        compute_loss gets the l2 term once (equal to fit with the built-in
+        step)."""
+        self.check_own_compute_loss_is_not_penalized_twice(
+            lambda model, loss_function: model.minimize(loss_function)
+        )
+
+    @pytest.mark.tensorflow
+    def test_own_compute_loss_on_a_tape_is_not_penalized_twice(self):
+        """The same with the loss recorded on a tape. TensorFlow only:
+        tf.GradientTape."""
+        import tensorflow as tf
+
+        def own_step(model, loss_function):
+            with tf.GradientTape() as tape:
+                loss = loss_function()
+            model.minimize(loss, tape)
+
+        self.check_own_compute_loss_is_not_penalized_twice(own_step)
+
+
+@pytest.mark.tensorflow
+class TapeNetworkPenaltyTest(CriticCase):
+    @parameterized.named_parameters(
+        ("eager", True, False), ("graph_fn", False, False), ("jit", False, True)
+    )
+    def test_critic_penalties_through_tape_minimize(
+        self, run_eagerly, jit_compile
+    ):
+        """The same with the loss recorded on a tape, `minimize(loss, tape,
+        penalty_inputs=...)`. TensorFlow only: tf.GradientTape."""
+        self.check_critic_penalties("tape", run_eagerly, jit_compile)
 
 
 class PenalizedNamesTest(testing.TestCase):

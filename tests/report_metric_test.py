@@ -2,8 +2,9 @@
 
 import keras
 import numpy as np
-import tensorflow as tf
+import pytest
 from absl.testing import parameterized
+from keras import ops
 
 import custom_fit
 from tests import testing
@@ -22,8 +23,8 @@ class Reporter(custom_fit.TrainStepMixin, keras.Model):
         )
         self.report_metric(
             "first_feature",
-            tf.reduce_mean(x[:, 0]),
-            sample_weight=tf.cast(tf.shape(x)[0], tf.float32),
+            ops.mean(x[:, 0]),
+            sample_weight=ops.cast(ops.shape(x)[0], "float32"),
             reduction=self.reduction,
         )
         return loss
@@ -81,6 +82,7 @@ class ReportMetricTest(testing.TestCase):
         self.assertEqual(history["steps_seen"], [3.0, 3.0])
         self.assertNotIn("val_steps_seen", history)
 
+    @pytest.mark.tensorflow  # tf.distribute
     def test_sum_counts_once_under_mirrored_strategy(self):
         """Two replicas report the same count; it is counted once."""
         x, y = testing.classification_data(samples=48)
@@ -89,6 +91,7 @@ class ReportMetricTest(testing.TestCase):
         history = model.fit(x, y, batch_size=16, verbose=0).history
         self.assertEqual(history["steps_seen"], [3.0])
 
+    @pytest.mark.tensorflow  # tf.distribute
     def test_mean_under_mirrored_strategy_is_global(self):
         """Per-replica means weighted by batch size give the global mean."""
         x, y = testing.classification_data(samples=48)
@@ -131,7 +134,7 @@ class Echo(custom_fit.TrainStepMixin, keras.Model):
 
 class PenaltyNamedMse(custom_fit.RegularizationMixin, keras.Model):
     def regularization_losses(self, x, y, y_pred):
-        return {"mse": 0.0 * tf.reduce_mean(y_pred)}
+        return {"mse": 0.0 * ops.mean(y_pred)}
 
 
 class InspectedNet(custom_fit.GradientInspectionMixin, keras.Model):

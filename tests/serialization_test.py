@@ -1,10 +1,15 @@
-"""get_config/from_config and .keras round trips keep the mixin keywords."""
+"""get_config/from_config and .keras round trips keep the mixin keywords,
+within one backend and from one backend to the other."""
 
 import os
+import subprocess
+import sys
 import tempfile
+import textwrap
 
 import keras
 import numpy as np
+import pytest
 from absl.testing import parameterized
 
 import custom_fit
@@ -77,6 +82,163 @@ def compile_and_fit(model, x, y):
     return model.fit(x, y, batch_size=16, verbose=0, shuffle=False).history
 
 
+def data_with_nan():
+    """Returns `(x, y)`: 4 batches of 16, one NaN input in the second."""
+    x, y = testing.classification_data()
+    x[20, 0] = np.nan  # exercises skip_nonfinite after loading
+    return x, y
+
+
+BUILDERS = {
+    "functional": functional,
+    "sequential": sequential,
+    "subclassed": subclassed,
+}
+
+OTHER_BACKEND = "jax" if testing.BACKEND == "tensorflow" else "tensorflow"
+REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# A program of the other backend's user: the same classes registered under
+# the same names, the same builders, options and data. `directory` is its
+# first argument.
+OTHER_PROCESS_PRELUDE = textwrap.dedent(
+    """
+    import os
+    import sys
+
+    import keras
+    import numpy as np
+
+    import custom_fit
+    from tests import testing
+
+    assert keras.backend.backend() == BACKEND, keras.backend.backend()
+    directory = sys.argv[1]
+
+
+    @keras.saving.register_keras_serializable(package="custom_fit_tests")
+    class FunctionalNet(custom_fit.GradientClippingMixin, keras.Model):
+        pass
+
+
+    @keras.saving.register_keras_serializable(package="custom_fit_tests")
+    class SequentialNet(custom_fit.GradientClippingMixin, keras.Sequential):
+        pass
+
+
+    @keras.saving.register_keras_serializable(package="custom_fit_tests")
+    class SubclassedNet(custom_fit.GradientClippingMixin, keras.Model):
+        def __init__(self, units=8, **kwargs):
+            super().__init__(**kwargs)
+            self.units = units
+            self.hidden = keras.layers.Dense(
+                units, activation="relu", name="hidden"
+            )
+            self.out = keras.layers.Dense(3, name="output")
+
+        def call(self, x):
+            return self.out(self.hidden(x))
+
+        def get_config(self):
+            config = super().get_config()
+            config.update({"units": self.units})
+            return config
+
+
+    def subclassed():
+        model = SubclassedNet(units=8, **OPTIONS)
+        model(np.zeros((1, 4), "float32"))
+        return model
+
+
+    BUILDERS = {
+        "functional": lambda: testing.mlp(FunctionalNet, **OPTIONS),
+        "sequential": lambda: SequentialNet(
+            [
+                keras.Input((4,)),
+                keras.layers.Dense(8, activation="relu", name="hidden"),
+                keras.layers.Dense(3, name="output"),
+            ],
+            **OPTIONS,
+        ),
+        "subclassed": subclassed,
+    }
+
+
+    def compile_and_fit(model, x, y):
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.5),
+            loss=testing.sparse_crossentropy(),
+        )
+        return model.fit(x, y, batch_size=16, verbose=0, shuffle=False).history
+
+
+    x, y = testing.classification_data()
+    x[20, 0] = np.nan
+    """
+)
+
+# Trains each model once, saves it as `<kind>.keras` and its weights as
+# `<kind>.npz`.
+SAVE = """
+for kind, make in BUILDERS.items():
+    model = make()
+    compile_and_fit(model, x, y)
+    model.save(os.path.join(directory, kind + ".keras"))
+    np.savez(os.path.join(directory, kind + ".npz"), *model.get_weights())
+print("saved", *BUILDERS)
+"""
+
+# Loads each model and checks it as `assert_loaded_trains_as_rebuilt` does.
+LOAD = """
+for kind, make in BUILDERS.items():
+    loaded = keras.saving.load_model(os.path.join(directory, kind + ".keras"))
+    assert type(loaded) is type(make()), (kind, type(loaded))
+    for name, value in OPTIONS.items():
+        expected = tuple(value) if isinstance(value, list) else value
+        assert getattr(loaded, name) == expected, (kind, name)
+    saved = np.load(os.path.join(directory, kind + ".npz"))
+    weights = [saved[f"arr_{i}"] for i in range(len(saved.files))]
+    assert len(loaded.get_weights()) == len(weights), kind
+    for actual, expected in zip(loaded.get_weights(), weights):
+        np.testing.assert_array_equal(actual, expected, err_msg=kind)
+    rebuilt = make()
+    rebuilt.set_weights(weights)
+    loaded_history = compile_and_fit(loaded, x, y)
+    rebuilt_history = compile_and_fit(rebuilt, x, y)
+    assert loaded_history["skipped_steps"] == [1.0], (kind, loaded_history)
+    np.testing.assert_allclose(
+        loaded_history["loss"], rebuilt_history["loss"], rtol=1e-6
+    )
+    for actual, expected in zip(loaded.get_weights(), rebuilt.get_weights()):
+        np.testing.assert_allclose(actual, expected, atol=1e-6, rtol=1e-6)
+print("checked", *BUILDERS)
+"""
+
+
+def run_in_other_backend(code, directory):
+    """Runs `code` after the prelude in a new process of the other backend;
+    returns its standard output."""
+    program = (
+        f"BACKEND = {OTHER_BACKEND!r}\nOPTIONS = {OPTIONS!r}\n"
+        + OTHER_PROCESS_PRELUDE
+        + code
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", program, directory],
+        env={**os.environ, "KERAS_BACKEND": OTHER_BACKEND},
+        cwd=REPOSITORY,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if result.returncode != 0:
+        raise AssertionError(
+            f"The {OTHER_BACKEND} process failed:\n{result.stderr[-4000:]}"
+        )
+    return result.stdout
+
+
 class SerializationTest(testing.TestCase):
     @parameterized.named_parameters(
         ("functional", functional),
@@ -86,8 +248,7 @@ class SerializationTest(testing.TestCase):
     def test_keras_file_round_trip_trains_on_identically(self, make_model):
         """A saved and loaded model keeps every keyword and then trains on
         exactly like the original."""
-        x, y = testing.classification_data()
-        x[20, 0] = np.nan  # exercises skip_nonfinite after loading
+        x, y = data_with_nan()
         model = make_model()
         compile_and_fit(model, x, y)
         path = os.path.join(tempfile.mkdtemp(), "model.keras")
@@ -120,3 +281,56 @@ class SerializationTest(testing.TestCase):
         config["clipnorm"] = -1
         with self.assertRaisesRegex(ValueError, "Received: clipnorm=-1"):
             FunctionalNet.from_config(config)
+
+
+@pytest.mark.slow
+class CrossBackendTest(testing.TestCase):
+    """A `.keras` file saved under one backend loads under the other."""
+
+    def assert_loaded_trains_as_rebuilt(self, kind, loaded, weights, x, y):
+        """`loaded` has the class, options and weights saved, and trains
+        exactly like a model built here with the options and weights."""
+        rebuilt = BUILDERS[kind]()
+        self.assertIs(type(loaded), type(rebuilt), kind)
+        for name, value in OPTIONS.items():
+            expected = tuple(value) if isinstance(value, list) else value
+            self.assertEqual(getattr(loaded, name), expected, (kind, name))
+        self.assertAllClose(loaded.get_weights(), weights, atol=0, rtol=0)
+        rebuilt.set_weights(weights)
+        loaded_history = compile_and_fit(loaded, x, y)
+        rebuilt_history = compile_and_fit(rebuilt, x, y)
+        self.assertEqual(loaded_history["skipped_steps"], [1.0], kind)
+        self.assertAllClose(
+            loaded_history["loss"], rebuilt_history["loss"], rtol=1e-6
+        )
+        self.assertWeightsClose(loaded, rebuilt, atol=1e-6)
+
+    def test_saved_here_loads_in_the_other_backend(self):
+        """Models saved under this backend load under the other one with
+        their options, weights and training behaviour."""
+        directory = tempfile.mkdtemp()
+        x, y = data_with_nan()
+        for kind, make in BUILDERS.items():
+            model = make()
+            compile_and_fit(model, x, y)
+            model.save(os.path.join(directory, kind + ".keras"))
+            np.savez(
+                os.path.join(directory, kind + ".npz"), *model.get_weights()
+            )
+        output = run_in_other_backend(LOAD, directory)
+        self.assertIn("checked functional sequential subclassed", output)
+
+    def test_saved_in_the_other_backend_loads_here(self):
+        """Models saved under the other backend load under this one with
+        their options, weights and training behaviour."""
+        directory = tempfile.mkdtemp()
+        output = run_in_other_backend(SAVE, directory)
+        self.assertIn("saved functional sequential subclassed", output)
+        x, y = data_with_nan()
+        for kind in BUILDERS:
+            loaded = keras.saving.load_model(
+                os.path.join(directory, kind + ".keras")
+            )
+            saved = np.load(os.path.join(directory, kind + ".npz"))
+            weights = [saved[f"arr_{i}"] for i in range(len(saved.files))]
+            self.assert_loaded_trains_as_rebuilt(kind, loaded, weights, x, y)

@@ -4,8 +4,9 @@ import collections
 
 import keras
 import numpy as np
-import tensorflow as tf
+import pytest
 from absl.testing import parameterized
+from keras import ops
 
 import custom_fit
 from tests import testing
@@ -90,6 +91,21 @@ def subclassed_mlp(model_class):
 subclassed_mlp.classes = (PlainSubclassed, MixinSubclassed)
 
 
+class Batches(keras.utils.PyDataset):
+    """`(x, y)` in batches of `batch_size`, in order; the last one ragged."""
+
+    def __init__(self, x, y, batch_size):
+        super().__init__()
+        self.x, self.y, self.batch_size = x, y, batch_size
+
+    def __len__(self):
+        return -(-len(self.x) // self.batch_size)
+
+    def __getitem__(self, index):
+        batch = slice(index * self.batch_size, (index + 1) * self.batch_size)
+        return self.x[batch], self.y[batch]
+
+
 class ActivityPenalty(keras.layers.Layer):
     """The seed's activity-regularization layer: adds a loss in `call`."""
 
@@ -161,10 +177,16 @@ class TrainStepParityTest(testing.TestCase):
             )
             self.assertSameTraining(pair)
 
-    def test_same_as_keras_with_tf_data_and_partial_batch(self):
-        """A tf.data input with a ragged last batch gives the same result."""
+    @parameterized.named_parameters(("tf_data", "tf_data"), ("py", "py"))
+    def test_same_as_keras_with_a_dataset_and_partial_batch(self, kind):
+        """A dataset (tf.data, which Keras reads on every backend, or a
+        PyDataset) with a ragged last batch gives the same result."""
         x, y = testing.classification_data(samples=70)
-        dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+        if kind == "tf_data":
+            tf = pytest.importorskip("tensorflow")
+            dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+        else:
+            dataset = Batches(x, y, 16)
         pair = fit_pair(
             functional_mlp,
             dict(loss=testing.sparse_crossentropy(), steps_per_execution=3),
@@ -257,10 +279,13 @@ class TrainStepParityTest(testing.TestCase):
             history = model.fit(x, y, batch_size=16, verbose=0)
         self.assertIn("loss", history.history)
 
+    @pytest.mark.tensorflow
     def test_traced_step_has_no_op_more_than_keras(self):
         """With no option set, the traced train_step graph holds no op that
         keras.Model's does not (op types and counts): the mixin
-        costs nothing per step on one device."""
+        costs nothing per step on one device. TensorFlow only: it reads the
+        tf.function graph."""
+        import tensorflow as tf
 
         def op_counts(model_class):
             keras.backend.clear_session()
@@ -283,6 +308,56 @@ class TrainStepParityTest(testing.TestCase):
         self.assertEqual(
             op_counts(Net) - op_counts(keras.Model), collections.Counter()
         )
+
+    @pytest.mark.jax
+    def test_traced_step_has_no_primitive_more_than_keras(self):
+        """With no option set, the jaxpr of one train step holds no
+        primitive that keras.Model's does not (counts included): the mixin
+        costs nothing per step on JAX either. JAX only: it reads the
+        jaxpr."""
+        import jax
+
+        def primitive_counts(model_class):
+            keras.backend.clear_session()
+            model = testing.mlp(model_class)
+            model.compile(
+                optimizer="adam",
+                loss=testing.sparse_crossentropy(),
+                jit_compile=False,  # the step's primitives, not one jit
+            )
+            x, y = testing.classification_data(samples=16)
+            model.fit(x, y, batch_size=16, verbose=0)  # builds everything
+            state = tuple(
+                [v.value for v in variables]
+                for variables in (
+                    model.trainable_variables,
+                    model.non_trainable_variables,
+                    model.optimizer.variables,
+                    model.metrics_variables,
+                )
+            )
+            jaxpr = jax.make_jaxpr(
+                lambda state, x, y: model.train_function(state, iter([(x, y)]))
+            )(state, x, y)
+            return collections.Counter(primitives(jaxpr.jaxpr))
+
+        # The mixin may need fewer (it reads the batch size statically).
+        self.assertEqual(
+            primitive_counts(Net) - primitive_counts(keras.Model),
+            collections.Counter(),
+        )
+
+
+def primitives(jaxpr):
+    """Yields the primitive name of every equation of `jaxpr`, nested
+    jaxprs (jit, custom derivatives, branches) included."""
+    for equation in jaxpr.eqns:
+        yield equation.primitive.name
+        for param in equation.params.values():
+            for value in param if isinstance(param, (list, tuple)) else [param]:
+                inner = getattr(value, "jaxpr", value)
+                if hasattr(inner, "eqns"):
+                    yield from primitives(inner)
 
 
 class HookOrderTest(testing.TestCase):
@@ -335,6 +410,12 @@ class HookOrderTest(testing.TestCase):
             run_eagerly=True,
         )
         x, y = testing.classification_data(samples=8)
+        # A first call of each function builds: Keras' JAX trainer builds
+        # the loss symbolically, and custom_fit's JAX step runs once to
+        # discover its state. The second call is one step, as on every step.
+        model.fit(x, y, batch_size=8, verbose=0)
+        model.evaluate(x, y, verbose=0)
+        calls.clear()
         model.fit(x, y, batch_size=8, verbose=0)
         self.assertEqual(
             calls,
@@ -349,7 +430,7 @@ class HookOrderTest(testing.TestCase):
             ],
         )
         calls.clear()
-        model.evaluate(x, y, verbose=0)
+        model.evaluate(x, y, batch_size=8, verbose=0)
         self.assertEqual(
             calls,
             [
@@ -365,9 +446,7 @@ class HookOrderTest(testing.TestCase):
 
         class Spy(Net):
             def transform_gradients(self, gradients, variables):
-                seen.append(
-                    [tf.convert_to_tensor(g).numpy() for g in gradients]
-                )
+                seen.append(list(gradients))  # concrete: run eagerly
                 return super().transform_gradients(gradients, variables)
 
         model = testing.mlp(Spy)
@@ -381,7 +460,9 @@ class HookOrderTest(testing.TestCase):
             run_eagerly=True,
         )
         model.fit(x, y, batch_size=16, verbose=0)
-        self.assertAllClose(seen[0], expected, rtol=1e-5)
+        self.assertAllClose(
+            [testing.to_numpy(g) for g in seen[-1]], expected, rtol=1e-5
+        )
 
     def test_mixins_chain_left_to_right(self):
         """Two transform mixins run in class-statement order, both ways."""
@@ -402,7 +483,7 @@ class HookOrderTest(testing.TestCase):
         class DoubleThenAdd(Double, Add, keras.Model):
             pass
 
-        zeros = [tf.zeros(2)]
+        zeros = [ops.zeros(2)]
         add_first = testing.mlp(AddThenDouble)
         double_first = testing.mlp(DoubleThenAdd)
         self.assertAllClose(
@@ -439,7 +520,7 @@ class TransformCheckTest(testing.TestCase):
         ),
         (
             "misshaped",
-            lambda gs: [tf.reshape(gs[0], [-1])] + gs[1:],
+            lambda gs: [ops.reshape(gs[0], [-1])] + gs[1:],
             r"shape \(32,\) for the variable 'hidden/kernel' of shape \(4, 8\)",
         ),
     )

@@ -8,12 +8,14 @@ from custom_fit import accumulation
 from custom_fit import callbacks
 from custom_fit import clipping
 from custom_fit import inspection
+from custom_fit import pcgrad
 from custom_fit import pipeline
 from custom_fit import regularization
 from custom_fit import sharpness
 from custom_fit.clipping_mixin import GradientClippingMixin
 from custom_fit.inspection_mixin import GradientInspectionMixin
 from custom_fit.multi_optimizer import MultiOptimizer
+from custom_fit.pcgrad_mixin import PCGradMixin
 from custom_fit.regularization_mixin import RegularizationMixin
 from custom_fit.sharpness_mixin import SharpnessAwareMixin
 from custom_fit.train_step_mixin import TrainStepMixin
@@ -24,6 +26,7 @@ __all__ = [
     "GradientClippingMixin",
     "GradientInspectionMixin",
     "MultiOptimizer",
+    "PCGradMixin",
     "RegularizationMixin",
     "SharpnessAwareMixin",
     "TrainStepMixin",
@@ -31,6 +34,7 @@ __all__ = [
     "callbacks",
     "clipping",
     "inspection",
+    "pcgrad",
     "pipeline",
     "regularization",
     "sharpness",

@@ -217,6 +217,60 @@ class PrivateOverrides(_ModelBase):
             metrics.muted = muted
 
 
+def per_output_losses(
+    model: keras.Model, y: Any, y_pred: Any, sample_weight: Any
+) -> dict[str, Any]:
+    """Returns the compiled loss of each output, weighted, by output name.
+
+    Keras' `CompileLoss` (`Trainer._compile_loss`) sums these; its built
+    list `_flat_losses` holds `(path, loss, weight, name)` per output, and
+    its `_y_pred_build_structure` / `_y_true_build_structure` the
+    structures it was built with. The values are as Keras adds them to the
+    loss (scaled for `tf.distribute`), without updating its per-output loss
+    metrics. Call it after the model's `compute_loss` in the same step (the
+    compiled loss is then built).
+
+    Args:
+        model: A compiled model.
+        y: The targets of the batch.
+        y_pred: The predictions.
+        sample_weight: The sample weights, or `None`.
+
+    Returns:
+        A dict of output name to scalar loss (empty without a compiled
+        loss).
+    """
+    compile_loss = getattr(model, "_compile_loss", None)
+    if compile_loss is None:
+        return {}
+    flat = keras.tree.flatten
+    if keras.tree.is_nested(y_pred) or keras.tree.is_nested(y):
+        y_pred = keras.tree.pack_sequence_as(
+            compile_loss._y_pred_build_structure, flat(y_pred)
+        )
+        y = keras.tree.pack_sequence_as(
+            compile_loss._y_true_build_structure, flat(y)
+        )
+
+    def at(path: tuple, value: Any) -> Any:
+        for key in path:
+            value = value[key]
+        return value
+
+    losses = {}
+    for path, loss, weight, name in compile_loss._flat_losses:
+        weights = sample_weight
+        if sample_weight is not None and keras.tree.is_nested(sample_weight):
+            weights = at(path, sample_weight)
+        value = ops.cast(
+            loss(at(path, y), at(path, y_pred), weights), "float32"
+        )
+        if weight is not None:
+            value = value * weight
+        losses[name] = value
+    return losses
+
+
 def optimizer_trainable_variables(optimizer: Any) -> list[Any]:
     """Returns the variables an optimizer was built for, in its order.
 

@@ -46,6 +46,9 @@ class ModelState:
         self.warned: set[str] = set()
         self.generation = 0
         self.local = threading.local()
+        # PCGradMixin: the generator and the last order of the tasks.
+        self.pcgrad_seeds: Any = None
+        self.pcgrad_order: Any = None
 
 
 def state_of(model: Any) -> ModelState:

@@ -56,6 +56,9 @@ class Option:
             the step at the optimizer's update count.
         logged_as: String. The log key under which the value in force of a
             scheduled option is reported; defaults to the option's name.
+        or_capability: String. A class attribute that, when true on the
+            model's class, satisfies `requires` too (a mixin that always
+            uses the option, such as inspection for `layer_depth`).
     """
 
     def __init__(
@@ -68,6 +71,7 @@ class Option:
         kind: str = "",
         schedulable: bool = False,
         logged_as: str = "",
+        or_capability: str = "",
     ) -> None:
         self.default = default
         self.validate = validate
@@ -76,6 +80,7 @@ class Option:
         self.kind = kind
         self.schedulable = schedulable
         self.logged_as = logged_as
+        self.or_capability = or_capability
         self.name: str | None = None
 
     def __set_name__(self, owner: type, name: str) -> None:
@@ -245,12 +250,20 @@ def _check_requirements(instance: object, name: str, option: Option) -> None:
     value = getattr(instance, name)
     if not option.requires or _same(value, option.default):
         return
-    if any(_is_set(getattr(instance, other)) for other in option.requires):
+    if any(
+        _is_set(getattr(instance, other, None)) for other in option.requires
+    ):
+        return
+    capability = option.or_capability
+    if capability and getattr(type(instance), capability, False):
         return
     received = ", ".join(
-        f"{other}={getattr(instance, other)!r}" for other in option.requires
+        f"{other}={getattr(instance, other, None)!r}"
+        for other in option.requires
     )
     needed = " or ".join(f"`{other}`" for other in option.requires)
+    if option.or_capability:
+        needed += " (or a mixin that uses it)"
     raise ValueError(
         f"`{name}` has no effect without {needed}. Received: "
         f"{name}={value!r}, {received}. Set {needed.split(' or ')[0]} too, "

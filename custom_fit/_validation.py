@@ -271,19 +271,23 @@ def known_names(
         )
 
 
-def one_of(allowed: tuple[str, ...]) -> Callable[[str, Any], str]:
-    """Returns a validator accepting only the strings in `allowed`.
+def one_of(allowed: tuple[Any, ...]) -> Callable[[str, Any], Any]:
+    """Returns a validator accepting only the values in `allowed`.
 
     Args:
-        allowed: Tuple of the allowed strings.
+        allowed: Tuple of the allowed values (strings, `False`); a value is
+            accepted when it equals one of them and has its type (so `0` is
+            not `False`).
 
     Returns:
         A callable `(name, value) -> value` that raises `ValueError`, listing
         `allowed`, for any other value.
     """
 
-    def validate(name: str, value: Any) -> str:
-        if value not in allowed:
+    def validate(name: str, value: Any) -> Any:
+        if not any(
+            type(value) is type(item) and value == item for item in allowed
+        ):
             raise ValueError(
                 f"`{name}` must be one of {allowed}. Received: "
                 f"{name}={value!r}. Pass one of the allowed values."

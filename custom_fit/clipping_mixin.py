@@ -193,11 +193,15 @@ class GradientClippingMixin(TrainStepMixin):
         ]
 
     def _is_clipped(self, owner: str) -> bool:
-        """Returns whether gradients of the layer named `owner` are clipped."""
+        """Returns whether gradients of the group named `owner` are clipped.
+
+        A name selects its group and, with `layer_depth` above 1, the groups
+        nested in it (`"encoder"` selects `"encoder/dense_1"`).
+        """
         if self.clip_layers is not None:
-            return owner in self.clip_layers
+            return any(_within(owner, name) for name in self.clip_layers)
         if self.no_clip_layers is not None:
-            return owner not in self.no_clip_layers
+            return not any(_within(owner, name) for name in self.no_clip_layers)
         return True
 
     def _owning_layer_names(self, variables: Sequence[Variable]) -> list[str]:
@@ -217,6 +221,9 @@ class GradientClippingMixin(TrainStepMixin):
         (not a layer's); it is accepted only when there are such variables.
         """
         known = [layer.name for layer in self.layers]
+        if self.layer_depth > 1 and self.built:
+            groups = self.layer_names_of(self.trainable_variables)
+            known += [group for group in dict.fromkeys(groups) if "/" in group]
         accepted = known + [self.name] if own_variables else known
         for argument in ("clip_layers", "no_clip_layers"):
             names = getattr(self, argument)
@@ -227,3 +234,8 @@ class GradientClippingMixin(TrainStepMixin):
                     f"have: {unknown}. Received: {argument}={list(names)}. "
                     f"Use names from `model.layers`: {known}."
                 )
+
+
+def _within(group: str, name: str) -> bool:
+    """Returns whether the group `group` is `name` or nested in it."""
+    return group == name or group.startswith(name + "/")

@@ -46,7 +46,10 @@ class GradientInspectionMixin(TrainStepMixin):
       name to the list of its gradients as NumPy arrays, in
       `layer.trainable_variables` order.
     - `logs["grad_norm"]`: the global norm, as a running mean over the epoch
-      like the loss; with a clipping mixin also `logs["grad_norm_clipped"]`,
+      like the loss; `logs["grad_norm_step"]`: the global norm of the step
+      itself (a batch-level callback sees each step's, which a running mean
+      hides; an epoch's log holds its last step's); with a clipping mixin
+      also `logs["grad_norm_clipped"]`,
       the global norm after clipping (after `transform_gradients`), to see
       how hard clipping bites, and `logs["clip_rate"]`, the share of the
       epoch's steps in which clipping lowered the norm: how often it bites.
@@ -66,6 +69,10 @@ class GradientInspectionMixin(TrainStepMixin):
         keep_gradients: Bool. Keep the last inspected step's gradients for
             `model.layer_gradients` (memory: one copy of the trainable
             weights). Defaults to `False`.
+        layer_norms_in_logs: Bool. Also log each layer's gradient norm,
+            under `grad_norm/<layer>` (a running mean over the epoch, like
+            `grad_norm`), so that `CSVLogger`, `keras.callbacks.TensorBoard`
+            and any logger reading `logs` get them. Defaults to `False`.
 
     Example:
 
@@ -84,13 +91,15 @@ class GradientInspectionMixin(TrainStepMixin):
     ```
     """
 
-    reports = ("grad_norm", "grad_norm_clipped", "clip_rate")
+    reports = ("grad_norm", "grad_norm_step", "grad_norm_clipped", "clip_rate")
+    groups_by_layer = True  # `layer_depth` applies to its figures
 
     gradient_statistics = _options.Option(
         (), _validation.subset_of(inspection.STATISTICS)
     )
     inspect_every = _options.Option(1, _validation.positive_int)
     keep_gradients = _options.Option(False, _validation.boolean)
+    layer_norms_in_logs = _options.Option(False, _validation.boolean)
 
     # Reading the state (host side).
 
@@ -175,6 +184,11 @@ class GradientInspectionMixin(TrainStepMixin):
         layer_norms = ops.sqrt(squares)
         global_norm = ops.sqrt(ops.sum(squares))
         self.report_metric("grad_norm", global_norm)
+        # The step's own figure, for batch-level callbacks (spikes).
+        self.report_metric("grad_norm_step", global_norm, reduction="last")
+        if self.layer_norms_in_logs:
+            for index, layer in enumerate(state.layers):
+                self.report_metric(f"grad_norm/{layer}", layer_norms[index])
         if _options.any_set(self, "clipping"):
             clipped_norm = clipping.global_norm(transformed_gradients)
             self.report_metric("grad_norm_clipped", clipped_norm)

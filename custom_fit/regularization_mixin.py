@@ -189,10 +189,14 @@ class RegularizationMixin(TrainStepMixin):
             unscaled_total -= regularization_loss
         self.report_metric("data_loss", unscaled_total, batch_size)
         terms = self._penalties(x, y, y_pred, sample_weight, training)
+        added = {}
         for name, value in terms.items():
             self.report_metric(name, value, batch_size)
             value = ops.cast(value, total.dtype)
-            total += value / replicas if replicas > 1 else value
+            added[name] = value / replicas if replicas > 1 else value
+            total += added[name]
+        # `per_loss_gradients="outputs_and_penalties"` differentiates each.
+        state.local.loss_terms = added
         return total
 
     def _penalties(

@@ -30,6 +30,9 @@ from custom_fit._types import Variable
 
 _Model = TypeVar("_Model", bound="TrainStepMixin")
 
+# Values of `per_loss_gradients`.
+PER_LOSS_MODES = (False, "outputs", "outputs_and_penalties")
+
 
 class TrainStepMixin(_keras_compat.PrivateOverrides):
     """Base mixin: Keras' training step, split into overridable hooks.
@@ -92,6 +95,20 @@ class TrainStepMixin(_keras_compat.PrivateOverrides):
             after which training stops with a `RuntimeError`. Checked after
             each call of the train function (every `steps_per_execution`
             steps). Defaults to 20; `None` for no limit.
+        layer_depth: Integer. How deep layers nest in the groups of
+            inspection and of `layer_clipnorm`/`clip_layers`: 1 (default)
+            groups by the entries of `model.layers`; 2 splits a model used
+            as a layer into its own layers (`"encoder/dense_1"`), and so on.
+            Needs inspection or layer-wise clipping.
+        per_loss_gradients: `False`, `"outputs"` or
+            `"outputs_and_penalties"`. With `"outputs"`, the compiled loss
+            of each output of the model is differentiated on its own (one
+            backward pass per loss), and `combine_gradients` receives one
+            list of true gradients per loss, by output name, plus the rest
+            of the loss (`model.losses`, `RegularizationMixin` penalties)
+            under `"regularization"`; with `"outputs_and_penalties"` each
+            named penalty is a loss of its own too. Defaults to `False`
+            (one backward pass of the total loss).
         gradient_accumulation_steps: Integer or `None`. Average the true
             gradients of this many consecutive batches and update once, with
             the average: `transform_gradients` (clipping) and
@@ -116,6 +133,8 @@ class TrainStepMixin(_keras_compat.PrivateOverrides):
 
     # Metric names the mixin reports (see `_options.declared_reports`).
     reports: tuple[str, ...] = ("skipped_steps",)
+    # Whether the mixin groups gradients by layer on its own (inspection).
+    groups_by_layer = False
 
     skip_nonfinite = _options.Option(False, _validation.boolean)
     max_consecutive_skipped_steps = _options.Option(
@@ -123,6 +142,15 @@ class TrainStepMixin(_keras_compat.PrivateOverrides):
     )
     gradient_accumulation_steps = _options.Option(
         None, _validation.positive_int_or_none
+    )
+    per_loss_gradients = _options.Option(
+        False, _validation.one_of(PER_LOSS_MODES)
+    )
+    layer_depth = _options.Option(
+        1,
+        _validation.positive_int,
+        requires=("layer_clipnorm", "clip_layers", "no_clip_layers"),
+        or_capability="groups_by_layer",
     )
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -207,6 +235,8 @@ class TrainStepMixin(_keras_compat.PrivateOverrides):
         targets: Any = variables
         if targets is None:
             targets = lambda: self.trainable_variables  # noqa: E731
+        if self.per_loss_gradients:
+            return self._per_loss_gradients(loss_function, targets, optimizer)
 
         def scaled() -> tuple[Tensor, tuple[Tensor, Any]]:
             loss, aux = loss_function()
@@ -222,6 +252,70 @@ class TrainStepMixin(_keras_compat.PrivateOverrides):
             aux,
             pipeline.true_gradients(gradients, targets, optimizer),
         )
+
+    def _per_loss_gradients(
+        self,
+        loss_function: Callable[[], tuple[Any, Any]],
+        targets: Any,
+        optimizer: Optimizer,
+    ) -> tuple[Tensor, Any, Gradients]:
+        """`compute_gradients` with one backward pass per loss."""
+
+        def scaled() -> tuple[dict[str, Tensor], tuple[Any, Any]]:
+            losses, aux = loss_function()
+            if not isinstance(losses, dict):
+                raise ValueError(
+                    "With per_loss_gradients, the loss function must return "
+                    "a dict of name to loss. Received: "
+                    f"{type(losses).__name__}. Return one entry per loss."
+                )
+            return (
+                {name: optimizer.scale_loss(v) for name, v in losses.items()},
+                (losses, aux),
+            )
+
+        _, (losses, aux), gradients = backend.current().values_and_grads(
+            scaled, targets
+        )
+        if callable(targets):
+            targets = targets()
+        true = {
+            name: pipeline.true_gradients(grads, targets, optimizer)
+            for name, grads in gradients.items()
+        }
+        combined = self.combine_gradients(true, targets)
+        return _gradient_ops.add_all(list(losses.values())), aux, combined
+
+    def combine_gradients(
+        self,
+        gradients_by_loss: dict[str, Gradients],
+        variables: Sequence[Variable],
+    ) -> Gradients:
+        """Returns the gradients to apply, from one list per loss.
+
+        Runs in `compute_gradients` with `per_loss_gradients` set, before
+        `transform_gradients`: each list is the true gradient of one loss
+        (an output's compiled loss, a penalty, or `"regularization"` for
+        the rest). This base implementation returns their sum, the
+        gradient of the total loss. Override it (calling `super()` or not)
+        to balance tasks; `PCGradMixin` projects conflicting ones.
+
+        Args:
+            gradients_by_loss: Dict of loss name to a list of true
+                gradients aligned with `variables` (`None` where a loss does
+                not depend on a variable).
+            variables: The variables.
+
+        Returns:
+            A list of gradients aligned with `variables`.
+        """
+        del variables
+        lists = list(gradients_by_loss.values())
+        combined: Gradients = []
+        for column in zip(*lists):
+            present = [_gradient_ops.dense(g) for g in column if g is not None]
+            combined.append(_gradient_ops.add_all(present) if present else None)
+        return combined
 
     def transform_gradients(
         self, gradients: Gradients, variables: Sequence[Variable]
@@ -302,12 +396,13 @@ class TrainStepMixin(_keras_compat.PrivateOverrides):
         Returns:
             A list of layer names aligned with `variables`. A variable that
             no entry of `self.layers` owns (created by the model itself) gets
-            the model's name.
+            the model's name. With `layer_depth=2` (or more), a model used
+            as a layer (a `keras.Sequential` encoder) is split into its own
+            layers, named by their path: `"encoder/dense_1"`.
         """
         owners: dict[int, str] = {}
         for layer in self.layers:
-            for variable in layer.trainable_variables:
-                owners.setdefault(id(variable), layer.name)
+            _assign_owners(layer, layer.name, self.layer_depth, owners)
         name: str = self.name
         return [owners.get(id(variable), name) for variable in variables]
 
@@ -660,11 +755,13 @@ class TrainStepMixin(_keras_compat.PrivateOverrides):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         before = self._begin_train_step()
 
-        def loss_function() -> tuple[Tensor, Any]:
+        def loss_function() -> tuple[Any, Any]:
             y_pred = self.forward_pass(x, training=True)
             loss = _keras_compat.compute_loss(
                 self, x, y, y_pred, sample_weight, training=True
             )
+            if self.per_loss_gradients:
+                return self._loss_parts(y, y_pred, sample_weight, loss), y_pred
             return loss, y_pred
 
         update = self._minimize(loss_function, None, None)
@@ -672,6 +769,32 @@ class TrainStepMixin(_keras_compat.PrivateOverrides):
         return self._end_train_step(
             x, y, y_pred, sample_weight, loss, counted, before
         )
+
+    def _loss_parts(
+        self, y: Any, y_pred: Any, sample_weight: Any, total: Tensor
+    ) -> dict[str, Tensor]:
+        """Splits the step's `total` loss for `per_loss_gradients`.
+
+        One loss per output, the named penalties (with
+        `"outputs_and_penalties"`), and the rest under `"regularization"`.
+        """
+        parts = _keras_compat.per_output_losses(self, y, y_pred, sample_weight)
+        terms = getattr(_model_state.state_of(self).local, "loss_terms", {})
+        if self.per_loss_gradients == "outputs_and_penalties":
+            for name, value in terms.items():
+                parts[name] = value
+            terms = {}
+        if "regularization" in parts:
+            raise ValueError(
+                "`per_loss_gradients` names the rest of the loss "
+                "'regularization', which is an output's name here. Received: "
+                f"losses {list(parts)}. Rename the output."
+            )
+        if self.losses or terms:
+            parts["regularization"] = total - _gradient_ops.add_all(
+                list(parts.values())
+            )
+        return parts
 
     def _begin_train_step(self) -> "_StepStart | None":
         """With `skip_nonfinite`, keeps what a skipped step must not change.
@@ -1189,6 +1312,21 @@ def _check_transformed(
                 f"{tuple(variable.shape)}. Received: {after!r}. Return one "
                 "gradient of the variable's shape per variable."
             )
+
+
+def _assign_owners(
+    layer: Any, path: str, depth: int, owners: dict[int, str]
+) -> None:
+    """Names the group of each trainable variable of `layer`.
+
+    See `TrainStepMixin.layer_names_of`: it descends `depth - 1` levels into
+    models used as layers.
+    """
+    if depth > 1:
+        for inner in getattr(layer, "layers", None) or ():
+            _assign_owners(inner, f"{path}/{inner.name}", depth - 1, owners)
+    for variable in layer.trainable_variables:
+        owners.setdefault(id(variable), path)
 
 
 def _compatible(shape: tuple, expected: tuple) -> bool:

@@ -150,6 +150,45 @@ def value_and_grad(
     return value, aux, list(gradients)
 
 
+def values_and_grads(
+    function: Callable[[], tuple[dict[str, Any], Any]], variables: Any
+) -> tuple[dict[str, Any], Any, dict[str, list[Any]]]:
+    """Returns the values, aux and gradients of several scalar losses.
+
+    See `custom_fit.backend.tensorflow.values_and_grads`: one `jax.vjp` of
+    the losses, then one backward pass (a call of its VJP) per loss.
+    """
+    if callable(variables):
+        variables = variables()
+    variables = list(variables)
+    scopes: list[_Scope] = []
+
+    def pure(values: list[Any]) -> tuple[dict[str, Any], tuple[Any, dict]]:
+        scope = _child(zip(variables, values))
+        with _entered(scope):
+            losses, aux = function()
+        scopes.append(scope)
+        updates = {key: scope.state_mapping[key] for key in scope.updated}
+        return dict(losses), (aux, updates)
+
+    start = [variable.value for variable in variables]
+    losses, vjp, (aux, updates) = jax.vjp(pure, start, has_aux=True)
+    gradients = {}
+    for name in losses:
+        cotangent = {
+            key: (
+                ops.ones_like(value) if key == name else ops.zeros_like(value)
+            )
+            for key, value in losses.items()
+        }
+        (gradients[name],) = vjp(cotangent)
+        gradients[name] = list(gradients[name])
+    scope = scopes[-1]
+    scope.state_mapping.update(updates)
+    _write_back(scope, skip=frozenset(id(v) for v in variables))
+    return losses, aux, gradients
+
+
 def recorded_gradients(tape: Any, value: Any, variables: Sequence[Any]) -> Any:
     """A loss recorded on a tape is TensorFlow's; refused here."""
     del tape, value, variables

@@ -46,6 +46,36 @@ def value_and_grad(
     return value, aux, tape.gradient(value, list(variables))
 
 
+def values_and_grads(
+    function: Callable[[], tuple[dict[str, Any], Any]], variables: Any
+) -> tuple[dict[str, Any], Any, dict[str, list[Any]]]:
+    """Returns the values, aux and gradients of several scalar losses.
+
+    One forward pass (`function`, under a persistent tape) and one backward
+    pass per loss.
+
+    Args:
+        function: Callable of no arguments returning `(values, aux)`,
+            `values` a dict of name to scalar tensor.
+        variables: List of variables to differentiate, or a callable
+            returning it (called after `function`).
+
+    Returns:
+        The values, the aux output, and a dict of name to the list of
+        gradients of that value, aligned with `variables`.
+    """
+    with tf.GradientTape(persistent=True) as tape:
+        values, aux = function()
+    if callable(variables):
+        variables = variables()
+    variables = list(variables)
+    gradients = {
+        name: tape.gradient(v, variables) for name, v in values.items()
+    }
+    del tape
+    return values, aux, gradients
+
+
 def recorded_gradients(
     tape: tf.GradientTape, value: Any, variables: Sequence[Any]
 ) -> list[Any]:

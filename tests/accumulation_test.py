@@ -45,8 +45,8 @@ class AccumulationTest(testing.TestCase):
         x, y = testing.classification_data(samples=32)
         # The first micro-batch's features are 10x larger: its gradient
         # dominates the big batch's, while clipping each micro-batch first
-        # would weigh the four alike. The effect does not hang on the
-        # initial weights of a backend.
+        # would weigh the four alike. The gap is large whatever the
+        # backend's initial weights.
         x[:8] *= 10.0
         loss_fn = testing.sparse_crossentropy()
         oracle = testing.mlp()
@@ -62,7 +62,7 @@ class AccumulationTest(testing.TestCase):
             return [g * min(1.0, max_norm / norm) for g in gradients]
 
         big_gradients = testing.tape_gradients(oracle, x, y, loss_fn)
-        self.assertGreater(norm_of(big_gradients), 1.5)  # clipping is active
+        self.assertGreater(norm_of(big_gradients), 1.0)  # clipping is active
         big = clipped(big_gradients)
         micro = [
             clipped(

@@ -217,8 +217,7 @@ class DataParallelClippingTest(DataParallelTestCase):
         self.assertLogsClose(two_history, single_history)
 
     def test_optimizer_clipping_under_data_parallel_is_global(self):
-        """Keras' own clipping under DataParallel acts on the global batch's
-        gradient (as on one device): no tf.distribute warning is given."""
+        """Keras' own clipping under DataParallel is global: no warning."""
 
         class Plain(custom_fit.TrainStepMixin, keras.Model):
             pass
@@ -243,8 +242,7 @@ class DataParallelClippingTest(DataParallelTestCase):
 @pytest.mark.jax
 class DataParallelSkipNonfiniteTest(DataParallelTestCase):
     def test_nan_on_second_device_only_skips_on_all(self):
-        """A NaN in the second device's shard of the batch skips the step:
-        no weight and no optimizer variable changes."""
+        """A NaN in the second device's shard skips the step on both."""
         x, y = testing.classification_data(samples=16)
         x[-1, 0] = np.nan  # in the second half: the second device's shard
         with data_parallel():
@@ -269,8 +267,7 @@ class DataParallelSkipNonfiniteTest(DataParallelTestCase):
         self.assertEqual(history.history["skipped_steps"], [1.0])
 
     def test_steps_around_a_skipped_one_equal_single_device(self):
-        """Four steps, the second skipped for a NaN in the second device's
-        shard: the weights equal one device on the batches without it."""
+        """Steps around one skipped (NaN on device 2) equal one device."""
         x, y = testing.classification_data(samples=64)
         x[16 + 12, 0] = np.nan  # batch 2, second half
         keep = np.ones(len(x), bool)

@@ -281,13 +281,6 @@ class GradientNormHistoryTest(testing.TestCase):
         for layer in fresh.norms:
             self.assertAllClose(reused.norms[layer], fresh.norms[layer])
 
-    @pytest.mark.xfail(
-        testing.BACKEND == "jax",
-        reason="library bug: on JAX, applying with an optimizer built before "
-        "a layer was frozen warns 'Gradients do not exist for variables' "
-        "(custom_fit/backend/jax.py apply_gradients passes None for them)",
-        strict=True,
-    )
     def test_fits_of_one_model_add_to_one_history(self):
         """Fits of one model add up; a frozen layer's entries are NaN."""
         history = callbacks.GradientNormHistory()

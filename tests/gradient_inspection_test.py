@@ -226,6 +226,7 @@ class GradientNormsTest(testing.TestCase):
         bound: with a zero learning rate the weights stay put, and a bound
         between the two batches' norms clips one step of two."""
         x, y = testing.classification_data(samples=32)
+        x[16:] *= 4.0  # the second batch's norm is several times the first's
         initial = testing.mlp()
         norms = [
             np.sqrt(
@@ -241,6 +242,7 @@ class GradientNormsTest(testing.TestCase):
             )
             for start in (0, 16)
         ]
+        self.assertGreater(norms[1], 2 * norms[0])  # the mean is between
         for bound, expected in [
             (float(np.mean(norms)), 0.5),
             (1e3, 0.0),

@@ -1,11 +1,13 @@
 """Pins the private Keras names that custom_fit/_keras_compat.py uses.
 
 Each name is pinned on the backends where custom_fit uses it: the trainer
-attributes and the pre-`fit` build on both, the optimizer's variable list
-on JAX, and the multi-worker workaround on TensorFlow.
+attributes, the compiled loss's internals, the pre-`fit` build and the
+clone helpers on both, the optimizer's variable list on JAX, and the
+multi-worker workaround on TensorFlow.
 """
 
 import keras
+import numpy as np
 import pytest
 from keras.src.models import cloning
 
@@ -23,6 +25,45 @@ class KerasPrivatesTest(testing.TestCase):
         self.assertEqual(model._loss_tracker.name, "loss")
         self.assertTrue(callable(model._compute_loss))
         self.assertIsInstance(model._call_has_training_arg, bool)
+
+    def test_compiled_loss_internals(self):
+        """_compile_loss, once built, lists (path, loss, weight, name) per
+        output in _flat_losses, whose weighted sum is the compiled loss,
+        and keeps the structures it was built with."""
+        inputs = keras.Input((4,))
+        outputs = {
+            name: keras.layers.Dense(1, name=name)(inputs) for name in "ab"
+        }
+        model = keras.Model(inputs, outputs)
+        model.compile(
+            optimizer="sgd",
+            loss={"a": "mse", "b": "mae"},
+            loss_weights={"a": 1.0, "b": 0.5},
+        )
+        x, _ = testing.classification_data(samples=8)
+        y = {"a": np.ones((8, 1), "float32"), "b": np.zeros((8, 1), "float32")}
+        model.fit(x, y, verbose=0)
+        compile_loss = model._compile_loss
+        self.assertTrue(compile_loss.built)
+        self.assertEqual(set(compile_loss._y_pred_build_structure), {"a", "b"})
+        self.assertEqual(set(compile_loss._y_true_build_structure), {"a", "b"})
+
+        def at(path, value):
+            for key in path:
+                value = value[key]
+            return value
+
+        y_pred = model(x)
+        total, names = 0.0, []
+        for path, loss, weight, name in compile_loss._flat_losses:
+            names.append(name)
+            value = loss(at(path, y), at(path, y_pred), None)
+            total = total + weight * testing.to_numpy(value)
+        self.assertEqual(sorted(names), ["a", "b"])
+        a, b = (testing.to_numpy(y_pred[name]) for name in "ab")
+        self.assertAllClose(
+            total, np.mean((1.0 - a) ** 2) + 0.5 * np.mean(np.abs(b)), rtol=1e-5
+        )
 
     def test_symbolic_build_exists(self):
         """The pre-`fit` build that report_metric is muted in, on both."""

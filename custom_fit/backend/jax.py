@@ -31,6 +31,7 @@ for every variable it changed, the new or the old value.
 
 import contextlib
 import threading
+import warnings
 from collections.abc import Callable
 from collections.abc import Iterable
 from collections.abc import Iterator
@@ -301,11 +302,19 @@ def apply_gradients(
             "(`optimizer.build(variables)`), or use a new optimizer."
         )
     by_variable = {id(v): g for v, g in zip(variables, gradients)}
-    new_trainables, new_optimizer = optimizer.stateless_apply(
-        [v.value for v in optimizer.variables],
-        [by_variable.get(id(t)) for t in tracked],
-        [t.value for t in tracked],
-    )
+    with warnings.catch_warnings():
+        if len(by_variable) < len(tracked):
+            # The optimizer tracks variables this update leaves alone (a
+            # layer frozen since it was built): their `None` gradients are
+            # ours, not a missing gradient of the loss.
+            warnings.filterwarnings(
+                "ignore", message="Gradients do not exist for variables"
+            )
+        new_trainables, new_optimizer = optimizer.stateless_apply(
+            [v.value for v in optimizer.variables],
+            [by_variable.get(id(t)) for t in tracked],
+            [t.value for t in tracked],
+        )
     for variable, value in zip(tracked, new_trainables):
         if id(variable) in by_variable:
             variable.assign(value)

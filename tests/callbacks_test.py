@@ -10,7 +10,6 @@ from unittest import mock
 
 import keras
 import numpy as np
-import pytest
 from absl.testing import parameterized
 from keras import ops
 from tensorboard.backend.event_processing import event_accumulator

@@ -30,11 +30,11 @@ def project_conflicting(
 ) -> Gradients:
     """Returns the PCGrad update: the sum of the projected task gradients.
 
-    For each task `i`, `g = g_i`; then for each task `j` in `order` (the
-    same order for every `i`), if `g . g_j < 0`,
+    For each task `i`, `g = g_i`; then for each other task `j` in `order`
+    (the same order for every `i`, `j = i` skipped), if `g . g_j < 0`,
     `g = g - (g . g_j) / ||g_j||^2 g_j` (projected against `g_j`, the
-    original gradient of task `j`; `j = i` never conflicts). The result is
-    the sum over tasks of `g`, split back per variable.
+    original gradient of task `j`). The result is the sum over tasks of
+    `g`, split back per variable.
 
     Args:
         task_gradients: List, one entry per task, of gradient lists aligned
@@ -69,7 +69,8 @@ def project_conflicting(
             other = ops.take(flat, order[position], axis=0)
             dot = ops.sum(g * other)
             squared = ops.maximum(ops.sum(other * other), 1e-30)
-            g = ops.where(dot < 0, g - dot / squared * other, g)
+            conflicts = ops.logical_and(dot < 0, order[position] != i)
+            g = ops.where(conflicts, g - dot / squared * other, g)
         projected.append(g)
     return _split(_gradient_ops.add_all(projected), template)
 

@@ -190,6 +190,27 @@ def values_and_grads(
     return losses, aux, gradients
 
 
+def per_example_gradients(
+    function: Callable[..., Any], variables: Sequence[Any], inputs: tuple
+) -> tuple[list[Any], bool]:
+    """Returns the gradient of `function` for each slice of `inputs`.
+
+    See `custom_fit.backend.tensorflow.per_example_gradients`: here
+    `jax.vmap` of `jax.grad`. Updates the function makes (random seeds)
+    stay inside it: each slice sees the step's state.
+    """
+    variables = list(variables)
+
+    def pure(values: list[Any], args: tuple) -> Any:
+        scope = _child(zip(variables, values))
+        with _entered(scope):
+            return function(*args)
+
+    start = [variable.value for variable in variables]
+    gradients = jax.vmap(jax.grad(pure), in_axes=(None, 0))(start, inputs)
+    return list(gradients), True
+
+
 def recorded_gradients(tape: Any, value: Any, variables: Sequence[Any]) -> Any:
     """A loss recorded on a tape is TensorFlow's; refused here."""
     del tape, value, variables
@@ -511,13 +532,33 @@ class _StepFunction:
             return self.model.train_step(data)
         return self.model.test_step(data)
 
-    def _stateless(self, state: tuple, data: Any) -> tuple[Any, tuple]:
+    def extra_variables(self) -> list[Any]:
+        """Variables the step reads that Keras does not put in its state.
+
+        Keras' test state has no optimizer variables, yet a scheduled
+        option is evaluated at `optimizer.iterations` in the test step too;
+        their current values are passed beside the state, read-only.
+        """
+        optimizer = getattr(self.model, "optimizer", None)
+        if self.kind == "test" and optimizer is not None:
+            return list(optimizer.variables)
+        return []
+
+    def _stateless(
+        self, state: tuple, data: Any, extras: list[Any]
+    ) -> tuple[Any, tuple]:
         groups = self.groups()
         mapping = {
             id(variable): value
-            for variables, values in zip(groups, state)
-            for variable, value in zip(variables, values)
+            for variable, value in zip(self.extra_variables(), extras)
         }
+        mapping.update(
+            {
+                id(variable): value
+                for variables, values in zip(groups, state)
+                for variable, value in zip(variables, values)
+            }
+        )
         with _entered(_Scope(mapping, collect_losses=True)) as scope:
             logs = self._run(data)
         if [len(g) for g in self.groups()] != [len(g) for g in groups]:
@@ -547,6 +588,8 @@ class _StepFunction:
             for variables, group in zip(before, state)
             for variable, value in zip(variables, group)
         }
+        for variable in self.extra_variables():
+            values.setdefault(id(variable), variable.value)
         with _entered(_Scope(values, collect_losses=True)):
             self._run(data)
         self.discovered = True
@@ -560,13 +603,14 @@ class _StepFunction:
         data = next(iterator)
         if not self.discovered:
             state = self.discover(state, data)
-        logs, state = self.step(state, data)
+        extras = [variable.value for variable in self.extra_variables()]
+        logs, state = self.step(state, data, extras)
         for _ in range(self.model.steps_per_execution - 1):
             try:
                 data = next(iterator)
             except StopIteration:
                 break
-            logs, state = self.step(state, data)
+            logs, state = self.step(state, data, extras)
         groups = self._groups
         if groups is None or [len(g) for g in groups] != [
             len(g) for g in state

@@ -1,0 +1,399 @@
+"""Per-layer gradient figures in the logs (layer_norms_in_logs,
+grad_norm_step) and nested layer groups (layer_depth), against the norms
+of the oracle's gradients at each step."""
+
+import csv
+import os
+import tempfile
+
+import keras
+import numpy as np
+from absl.testing import parameterized
+from tensorboard.backend.event_processing import event_accumulator
+from tensorboard.util import tensor_util
+
+import custom_fit
+from tests import testing
+
+BATCH = 16
+STEPS_PER_EPOCH = 4  # 64 samples
+RATE = 0.1
+MLP_LAYERS = {"hidden": [0, 1], "output": [2, 3]}  # trainable variables
+
+
+class Inspected(custom_fit.GradientInspectionMixin, keras.Model):
+    pass
+
+
+class Clipped(custom_fit.GradientClippingMixin, keras.Model):
+    pass
+
+
+class Plain(custom_fit.TrainStepMixin, keras.Model):
+    pass
+
+
+def compiled(model, **compile_kwargs):
+    model.compile(
+        optimizer=keras.optimizers.SGD(RATE),
+        loss=testing.sparse_crossentropy(),
+        **compile_kwargs,
+    )
+    return model
+
+
+def fit(model, x, y, epochs=2, callbacks=()):
+    return model.fit(
+        x,
+        y,
+        batch_size=BATCH,
+        epochs=epochs,
+        shuffle=False,
+        verbose=0,
+        callbacks=list(callbacks),
+    ).history
+
+
+def norm(arrays):
+    return float(
+        np.sqrt(sum(np.sum(np.asarray(a, np.float64) ** 2) for a in arrays))
+    )
+
+
+def oracle_steps(model, x, y, steps, layers, clip=None):
+    """Trains `model` with SGD by hand; returns each step's figures.
+
+    Each step takes the oracle's gradients of the batch, records the norm
+    of every layer's gradients (`layers` maps a name to variable indices)
+    and the global norm, optionally transforms them with `clip`, and
+    applies `w - RATE * g`.
+    """
+    loss = testing.sparse_crossentropy()
+    variables = model.trainable_variables
+    figures = []
+    for t in range(steps):
+        start = (t % STEPS_PER_EPOCH) * BATCH
+        grads = testing.tape_gradients(
+            model, x[start : start + BATCH], y[start : start + BATCH], loss
+        )
+        figures.append(
+            {
+                "global": norm(grads),
+                **{
+                    name: norm([grads[i] for i in indices])
+                    for name, indices in layers.items()
+                },
+            }
+        )
+        if clip is not None:
+            grads = clip(grads)
+        weights = [testing.to_numpy(v) for v in variables]
+        for variable, new in zip(
+            variables, testing.weights_after_one_sgd_step(weights, grads, RATE)
+        ):
+            variable.assign(np.asarray(new, "float32"))
+    return figures
+
+
+def epoch_means(figures, key, epochs=2):
+    return [
+        np.mean(
+            [
+                f[key]
+                for f in figures[
+                    e * STEPS_PER_EPOCH : (e + 1) * STEPS_PER_EPOCH
+                ]
+            ]
+        )
+        for e in range(epochs)
+    ]
+
+
+def nested_model(model_class=keras.Model, **kwargs):
+    """A `keras.Sequential` encoder (d1, d2) used as a layer, then `head`."""
+    encoder = keras.Sequential(
+        [
+            keras.Input((4,)),
+            keras.layers.Dense(
+                8,
+                activation="relu",
+                kernel_initializer=keras.initializers.GlorotUniform(seed=1),
+                bias_initializer=keras.initializers.RandomNormal(
+                    0.0, 0.1, seed=1
+                ),
+                name="d1",
+            ),
+            keras.layers.Dense(
+                6,
+                activation="relu",
+                kernel_initializer=keras.initializers.GlorotUniform(seed=2),
+                bias_initializer=keras.initializers.RandomNormal(
+                    0.0, 0.1, seed=2
+                ),
+                name="d2",
+            ),
+        ],
+        name="encoder",
+    )
+    inputs = keras.Input((4,), name="features")
+    outputs = keras.layers.Dense(
+        3,
+        kernel_initializer=keras.initializers.GlorotUniform(seed=3),
+        name="head",
+    )(encoder(inputs))
+    return model_class(inputs, outputs, **kwargs)
+
+
+NESTED_LAYERS = {
+    "encoder/d1": [0, 1],
+    "encoder/d2": [2, 3],
+    "head": [4, 5],
+}
+
+
+class BatchLogs(keras.callbacks.Callback):
+    """Keeps a copy of the logs of every batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.logs = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.logs.append(dict(logs))
+
+
+class LayerNormsInLogsTest(testing.TestCase):
+    @parameterized.named_parameters(*testing.EXECUTION_MODES)
+    def test_csv_logger_rows_hold_epoch_mean_of_layer_norms(self, mode):
+        """CSVLogger rows hold the epoch means of the oracle layer norms."""
+        x, y = testing.classification_data()
+        path = os.path.join(tempfile.mkdtemp(), "log.csv")
+        model = testing.mlp(Inspected, layer_norms_in_logs=True)
+        compiled(model, **mode)
+        fit(model, x, y, callbacks=[keras.callbacks.CSVLogger(path)])
+        with open(path) as f:
+            rows = list(csv.DictReader(f))
+        self.assertLen(rows, 2)
+        for column in ("grad_norm/hidden", "grad_norm/output", "grad_norm"):
+            self.assertIn(column, rows[0])
+
+        figures = oracle_steps(testing.mlp(), x, y, 8, MLP_LAYERS)
+        for layer in ("hidden", "output"):
+            self.assertAllClose(
+                [float(row[f"grad_norm/{layer}"]) for row in rows],
+                epoch_means(figures, layer),
+                rtol=1e-5,
+                msg=layer,
+            )
+        self.assertAllClose(
+            [float(row["grad_norm"]) for row in rows],
+            epoch_means(figures, "global"),
+            rtol=1e-5,
+        )
+        self.assertAllClose(
+            [float(row["grad_norm_step"]) for row in rows],
+            [figures[3]["global"], figures[7]["global"]],
+            rtol=1e-5,
+        )
+
+    def test_off_by_default(self):
+        """Without layer_norms_in_logs no grad_norm/<layer> is logged."""
+        x, y = testing.classification_data()
+        history = fit(compiled(testing.mlp(Inspected)), x, y, epochs=1)
+        self.assertFalse([k for k in history if k.startswith("grad_norm/")])
+        self.assertIn("grad_norm_step", history)
+
+    def test_tensorboard_writes_layer_norms(self):
+        """Keras' TensorBoard writes grad_norm/<layer> epoch means."""
+        x, y = testing.classification_data()
+        log_dir = tempfile.mkdtemp()
+        model = compiled(testing.mlp(Inspected, layer_norms_in_logs=True))
+        fit(model, x, y, callbacks=[keras.callbacks.TensorBoard(log_dir)])
+        accumulator = event_accumulator.EventAccumulator(
+            os.path.join(log_dir, "train"),
+            size_guidance={event_accumulator.TENSORS: 0},
+        )
+        accumulator.Reload()
+        tags = set(accumulator.Tags()["tensors"])
+        figures = oracle_steps(testing.mlp(), x, y, 8, MLP_LAYERS)
+        for layer in ("hidden", "output"):
+            tag = f"epoch_grad_norm/{layer}"
+            self.assertIn(tag, tags)
+            events = sorted(accumulator.Tensors(tag), key=lambda e: e.step)
+            self.assertEqual([e.step for e in events], [0, 1])
+            written = [
+                float(tensor_util.make_ndarray(e.tensor_proto)) for e in events
+            ]
+            self.assertAllClose(
+                written, epoch_means(figures, layer), rtol=1e-5, msg=layer
+            )
+
+    @parameterized.named_parameters(
+        ("eager", dict(run_eagerly=True)),
+        ("graph_fn", dict(run_eagerly=False, jit_compile=False)),
+        ("jit", dict(run_eagerly=False, jit_compile=True)),
+    )
+    def test_batch_callback_sees_each_steps_own_norm(self, mode):
+        """Batches see grad_norm_step per step and running means."""
+        x, y = testing.classification_data()
+        model = compiled(
+            testing.mlp(Inspected, layer_norms_in_logs=True), **mode
+        )
+        seen = BatchLogs()
+        fit(model, x, y, callbacks=[seen])
+        figures = oracle_steps(testing.mlp(), x, y, 8, MLP_LAYERS)
+        self.assertLen(seen.logs, 8)
+        for t, logs in enumerate(seen.logs):
+            epoch_start = t - t % STEPS_PER_EPOCH
+            so_far = figures[epoch_start : t + 1]
+            self.assertAllClose(
+                logs["grad_norm_step"], figures[t]["global"], rtol=1e-5
+            )
+            self.assertAllClose(
+                logs["grad_norm"],
+                np.mean([f["global"] for f in so_far]),
+                rtol=1e-5,
+            )
+            self.assertAllClose(
+                logs["grad_norm/hidden"],
+                np.mean([f["hidden"] for f in so_far]),
+                rtol=1e-5,
+            )
+        # The step's own norm and the running mean differ: the figure is
+        # not the mean under another name.
+        self.assertGreater(
+            abs(seen.logs[-1]["grad_norm_step"] - seen.logs[-1]["grad_norm"]),
+            1e-4,
+        )
+
+
+class LayerDepthTest(testing.TestCase):
+    def test_depth_two_names_the_layers_inside_a_nested_model(self):
+        """layer_depth=2 names the layers inside the encoder."""
+        x, y = testing.classification_data()
+        model = nested_model(Inspected, layer_depth=2, layer_norms_in_logs=True)
+        history = fit(compiled(model), x, y)
+        figures = oracle_steps(nested_model(), x, y, 8, NESTED_LAYERS)
+        self.assertEqual(set(model.gradient_norms), set(NESTED_LAYERS))
+        for layer in NESTED_LAYERS:
+            self.assertAllClose(
+                model.gradient_norms[layer],
+                figures[-1][layer],
+                rtol=1e-5,
+                msg=layer,
+            )
+            self.assertAllClose(
+                history[f"grad_norm/{layer}"],
+                epoch_means(figures, layer),
+                rtol=1e-5,
+                msg=layer,
+            )
+
+    def test_depth_one_keeps_the_nested_model_whole(self):
+        """With the default layer_depth=1 the encoder is one group."""
+        x, y = testing.classification_data(samples=16)
+        model = nested_model(Inspected)
+        fit(compiled(model), x, y, epochs=1)
+        self.assertEqual(set(model.gradient_norms), {"encoder", "head"})
+
+    @parameterized.named_parameters(
+        ("graph_fn", dict(jit_compile=False)),
+        ("jit", dict(jit_compile=True)),
+    )
+    def test_layer_clipnorm_clips_each_nested_layer(self, mode):
+        """layer_clipnorm with layer_depth=2 clips each nested layer."""
+        x, y = testing.classification_data()
+        bound = 0.1
+        groups = [
+            name for name, indices in NESTED_LAYERS.items() for _ in indices
+        ]
+        model = nested_model(Clipped, layer_clipnorm=bound, layer_depth=2)
+        fit(compiled(model, **mode), x, y)
+
+        def clip(grads):
+            return testing.numpy_clip_by_group_norm(grads, groups, bound)
+
+        oracle = nested_model()
+        figures = oracle_steps(oracle, x, y, 8, NESTED_LAYERS, clip=clip)
+        self.assertWeightsClose(model, oracle, atol=2e-6)
+        # The bound bit on every layer at the first step.
+        for layer in NESTED_LAYERS:
+            self.assertGreater(figures[0][layer], bound, layer)
+
+        whole = ["encoder"] * 4 + ["head"] * 2
+        shallow = nested_model()
+        oracle_steps(
+            shallow,
+            x,
+            y,
+            8,
+            NESTED_LAYERS,
+            clip=lambda g: testing.numpy_clip_by_group_norm(g, whole, bound),
+        )
+        self.assertGreater(
+            testing.max_difference(model.get_weights(), shallow.get_weights()),
+            1e-4,
+        )
+
+    def test_clip_layers_selects_a_nested_layer(self):
+        """clip_layers=["encoder/d1"] clips only that nested layer."""
+        x, y = testing.classification_data()
+        bound = 0.1
+        model = nested_model(
+            Clipped,
+            layer_clipnorm=bound,
+            layer_depth=2,
+            clip_layers=["encoder/d1"],
+        )
+        fit(compiled(model), x, y)
+
+        def clip(grads):
+            scale = bound / max(norm(grads[:2]), bound)
+            return [g * scale for g in grads[:2]] + list(grads[2:])
+
+        oracle = nested_model()
+        oracle_steps(oracle, x, y, 8, NESTED_LAYERS, clip=clip)
+        self.assertWeightsClose(model, oracle, atol=2e-6)
+
+    def test_layer_depth_without_inspection_or_layer_clipping_is_refused(
+        self,
+    ):
+        """layer_depth without inspection or layer clipping is refused."""
+        with self.assertRaisesRegex(ValueError, "layer_depth"):
+            nested_model(Plain, layer_depth=2)
+        with self.assertRaisesRegex(ValueError, "layer_depth"):
+            nested_model(Clipped, layer_depth=2, global_clipnorm=1.0)
+        self.assertEqual(nested_model(Inspected, layer_depth=2).layer_depth, 2)
+        self.assertEqual(
+            nested_model(
+                Clipped, layer_depth=2, layer_clipnorm=1.0
+            ).layer_depth,
+            2,
+        )
+
+    @parameterized.named_parameters(("zero", 0), ("negative", -1))
+    def test_invalid_layer_depth_is_refused(self, value):
+        """layer_depth must be a positive integer."""
+        with self.assertRaisesRegex(ValueError, "layer_depth"):
+            nested_model(Inspected, layer_depth=value)
+
+
+class ReportLastTest(testing.TestCase):
+    @parameterized.named_parameters(
+        ("graph_fn", dict(jit_compile=False)),
+        ("steps_per_execution", dict(steps_per_execution=4)),
+    )
+    def test_report_metric_last_logs_the_last_step(self, mode):
+        """reduction="last" logs the last step; "mean" the mean."""
+
+        class Counting(custom_fit.TrainStepMixin, keras.Model):
+            def train_step(self, data):
+                step = keras.ops.cast(self.optimizer.iterations, "float32")
+                self.report_metric("step_last", step, reduction="last")
+                self.report_metric("step_mean", step)
+                return super().train_step(data)
+
+        x, y = testing.classification_data()
+        history = fit(compiled(testing.mlp(Counting), **mode), x, y)
+        self.assertAllClose(history["step_last"], [3.0, 7.0])
+        self.assertAllClose(history["step_mean"], [1.5, 5.5])

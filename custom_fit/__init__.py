@@ -10,12 +10,14 @@ from custom_fit import clipping
 from custom_fit import inspection
 from custom_fit import pcgrad
 from custom_fit import pipeline
+from custom_fit import privacy
 from custom_fit import regularization
 from custom_fit import sharpness
 from custom_fit.clipping_mixin import GradientClippingMixin
 from custom_fit.inspection_mixin import GradientInspectionMixin
 from custom_fit.multi_optimizer import MultiOptimizer
 from custom_fit.pcgrad_mixin import PCGradMixin
+from custom_fit.privacy_mixin import DifferentialPrivacyMixin
 from custom_fit.regularization_mixin import RegularizationMixin
 from custom_fit.sharpness_mixin import SharpnessAwareMixin
 from custom_fit.train_step_mixin import TrainStepMixin
@@ -23,6 +25,7 @@ from custom_fit.train_step_mixin import TrainStepMixin
 __version__ = "0.1.0"
 
 __all__ = [
+    "DifferentialPrivacyMixin",
     "GradientClippingMixin",
     "GradientInspectionMixin",
     "MultiOptimizer",
@@ -36,6 +39,7 @@ __all__ = [
     "inspection",
     "pcgrad",
     "pipeline",
+    "privacy",
     "regularization",
     "sharpness",
 ]

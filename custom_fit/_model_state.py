@@ -49,6 +49,8 @@ class ModelState:
         # PCGradMixin: the generator and the last order of the tasks.
         self.pcgrad_seeds: Any = None
         self.pcgrad_order: Any = None
+        # DifferentialPrivacyMixin: the generator of the noise.
+        self.dp_seeds: Any = None
 
 
 def state_of(model: Any) -> ModelState:

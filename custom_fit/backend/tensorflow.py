@@ -76,6 +76,45 @@ def values_and_grads(
     return values, aux, gradients
 
 
+def per_example_gradients(
+    function: Callable[..., Any], variables: Sequence[Any], inputs: tuple
+) -> tuple[list[Any], bool]:
+    """Returns the gradient of `function` for each slice of `inputs`.
+
+    `tf.vectorized_map` differentiates every slice at once; when an op of
+    the model cannot be vectorized (a random op with a seed state, say),
+    the slices are differentiated one after another in a `tf.map_fn` loop.
+
+    Args:
+        function: Callable taking one slice of each of `inputs` (their
+            first axis removed), returning a scalar loss.
+        variables: The variables to differentiate.
+        inputs: Tuple of nested tensors whose first axis is the slice.
+
+    Returns:
+        A tuple `(gradients, vectorized)`: one tensor per variable, whose
+        first axis is the slice, and whether `tf.vectorized_map` was used.
+    """
+    variables = list(variables)
+
+    def one(args: tuple) -> list[Any]:
+        with tf.GradientTape() as tape:
+            loss = function(*args)
+        gradients = tape.gradient(
+            loss, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO
+        )
+        return [tf.convert_to_tensor(g) for g in gradients]
+
+    try:
+        return (
+            tf.vectorized_map(one, inputs, fallback_to_while_loop=False),
+            True,
+        )
+    except Exception:  # noqa: BLE001  (an op pfor cannot vectorize)
+        signature = [tf.TensorSpec(v.shape, v.dtype) for v in variables]
+        return tf.map_fn(one, inputs, fn_output_signature=signature), False
+
+
 def recorded_gradients(
     tape: tf.GradientTape, value: Any, variables: Sequence[Any]
 ) -> list[Any]:

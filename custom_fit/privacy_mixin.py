@@ -1,0 +1,271 @@
+"""`DifferentialPrivacyMixin`: DP-SGD inside `fit`."""
+
+from typing import Any
+
+import keras
+from keras import ops
+
+from custom_fit import _gradient_ops
+from custom_fit import _keras_compat
+from custom_fit import _model_state
+from custom_fit import _options
+from custom_fit import _validation
+from custom_fit import backend
+from custom_fit import pipeline
+from custom_fit import privacy
+from custom_fit._types import Gradients
+from custom_fit._types import Logs
+from custom_fit._types import Optimizer
+from custom_fit._types import Tensor
+from custom_fit._types import Variable
+from custom_fit.train_step_mixin import TrainStepMixin
+
+
+def _noise(name: str, value: Any) -> float | None:
+    """Validates `noise_multiplier`: a finite float >= 0 (0: no noise)."""
+    if value is None:
+        return None
+    if value == 0 and not isinstance(value, bool):
+        return 0.0
+    return _validation.positive_float_or_none(name, value)
+
+
+def _seed(name: str, value: Any) -> int | None:
+    """Validates a seed: an integer >= 0, or None."""
+    if value is None:
+        return None
+    if value == 0 and not isinstance(value, bool):
+        return 0
+    return _validation.positive_int(name, value, "or 0, or None")
+
+
+class DifferentialPrivacyMixin(TrainStepMixin):
+    """Differentially private training (DP-SGD) with `fit`.
+
+    Each training step computes the true gradient of every microbatch (one
+    example by default, or `num_microbatches` groups of consecutive
+    examples, each microbatch's loss the mean of its examples' losses),
+    clips each to `l2_norm_clip` in global norm over all trainable
+    variables, sums them, adds Gaussian noise of standard deviation
+    `noise_multiplier * l2_norm_clip` once per coordinate, and divides by
+    the number of microbatches, as TensorFlow Privacy's Keras optimizers do
+    (Abadi et al. 2016). That gradient then goes through the rest of the
+    pipeline (`transform_gradients`, inspection, the optimizer).
+
+    Per-microbatch gradients are vectorized (`tf.vectorized_map` on
+    TensorFlow, `jax.vmap` on JAX); on TensorFlow, a model with an op that
+    cannot be vectorized (dropout's random seed, say) is differentiated one
+    microbatch after another instead, with a one-time warning. The noise
+    comes from a seeded generator that is part of the model's state, so a
+    run is reproducible; under `tf.distribute` each replica clips its own
+    examples, the clipped sums are summed across replicas, and the same
+    noise is added once for the global batch (the replicas draw it from
+    the same state); on JAX the step sees the global batch.
+
+    The logged loss and metrics are those of a forward pass over the whole
+    batch. `logs["dp_clipped_fraction"]` is the share of microbatches whose
+    gradient was clipped. How much privacy a run spends is the accountant's
+    business: `custom_fit.privacy.epsilon` and
+    `custom_fit.callbacks.PrivacyBudget`.
+
+    Layers that mix the examples of a batch (BatchNormalization in
+    training mode) break per-example privacy and are refused at the first
+    step; use `keras.layers.GroupNormalization` or `LayerNormalization`.
+
+    Args:
+        l2_norm_clip: Float > 0. The bound of each microbatch's gradient
+            norm. Required.
+        noise_multiplier: Float >= 0. The noise's standard deviation as a
+            multiple of `l2_norm_clip` (0 adds none: no privacy, for tests).
+            Required.
+        num_microbatches: Integer or `None`. The number of microbatches per
+            batch, which must divide the batch size; `None` (the default)
+            makes every example a microbatch.
+        noise_seed: Integer >= 0 or `None`. Seed of the noise.
+
+    Example:
+
+    ```python
+    class Net(custom_fit.DifferentialPrivacyMixin, keras.Model):
+        pass
+
+    inputs = keras.Input((8,))
+    model = Net(inputs, keras.layers.Dense(3)(inputs), l2_norm_clip=1.0,
+                noise_multiplier=1.1, noise_seed=0)
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    ```
+
+    Reference:
+        [Abadi et al., 2016](https://arxiv.org/abs/1607.00133), "Deep
+        Learning with Differential Privacy".
+    """
+
+    reports = ("dp_clipped_fraction",)
+
+    l2_norm_clip = _options.Option(
+        None, _validation.positive_float_or_none, bound=True
+    )
+    noise_multiplier = _options.Option(None, _noise)
+    num_microbatches = _options.Option(None, _validation.positive_int_or_none)
+    noise_seed = _options.Option(None, _seed)
+
+    def _configure_options(self, options: dict[str, Any]) -> None:
+        """Checks the required options; makes the noise's generator."""
+        super()._configure_options(options)
+        for name in ("l2_norm_clip", "noise_multiplier"):
+            if getattr(self, name) is None:
+                raise ValueError(
+                    f"DifferentialPrivacyMixin needs `{name}`. Received: "
+                    f"{name}=None. Pass it to the constructor, for example "
+                    "l2_norm_clip=1.0, noise_multiplier=1.1."
+                )
+        for name in ("gradient_accumulation_steps", "per_loss_gradients"):
+            if getattr(self, name) not in (None, False, 1):
+                raise ValueError(
+                    f"DifferentialPrivacyMixin does not combine with `{name}`"
+                    ": the privacy accounting counts one noisy update per "
+                    f"batch. Received: {name}={getattr(self, name)!r}. Leave "
+                    f"`{name}` out."
+                )
+        state = _model_state.state_of(self)
+        state.dp_seeds = keras.random.SeedGenerator(self.noise_seed)
+        state.holder.track(state.dp_seeds.state)
+
+    def train_step(self, data: Any) -> Logs:
+        """Runs one private step: per-microbatch gradients, clip, noise.
+
+        Args:
+            data: A batch, as produced by the data adapter of `fit`.
+
+        Returns:
+            A dict of metric results.
+        """
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        self._refuse_batch_mixing()
+        before = self._begin_train_step()
+        optimizer = self._prepared(None)
+        y_pred = self.forward_pass(x, training=True)
+        loss = _keras_compat.compute_loss(
+            self, x, y, y_pred, sample_weight, training=True
+        )
+        variables = self.trainable_variables
+        gradients = self._private_gradients(
+            x, y, sample_weight, variables, optimizer
+        )
+        update = self._update(loss, y_pred, gradients, variables, optimizer)
+        return self._end_train_step(
+            x, y, y_pred, sample_weight, loss, update.counted, before
+        )
+
+    def _private_gradients(
+        self,
+        x: Any,
+        y: Any,
+        sample_weight: Any,
+        variables: list[Variable],
+        optimizer: Optimizer,
+    ) -> Gradients:
+        """Returns the noisy mean of the clipped microbatch gradients."""
+        microbatches = self._microbatch_count(x)
+        # With one example per microbatch the batch may be of any size.
+        lead = (-1, 1) if microbatches is None else (microbatches, -1)
+
+        def split(tensor: Any) -> Any:
+            if tensor is None:
+                return None
+            tensor = ops.convert_to_tensor(tensor)
+            return ops.reshape(tensor, lead + tuple(tensor.shape[1:]))
+
+        inputs: tuple = (
+            keras.tree.map_structure(split, x),
+            keras.tree.map_structure(split, y),
+        )
+        if sample_weight is not None:
+            inputs += (keras.tree.map_structure(split, sample_weight),)
+        replicas = pipeline.replica_count()
+        scale = pipeline.loss_scale(optimizer)
+
+        def microbatch_loss(x: Any, y: Any, weights: Any = None) -> Tensor:
+            y_pred = self.forward_pass(x, training=True)
+            losses = _keras_compat.per_output_losses(self, y, y_pred, weights)
+            # A microbatch's loss: the mean of its examples' losses (Keras
+            # divides by the replica count under tf.distribute: undone).
+            loss = _gradient_ops.add_all(list(losses.values())) * replicas
+            for extra in self.losses:
+                loss = loss + ops.cast(ops.sum(extra), loss.dtype)
+            return optimizer.scale_loss(loss)
+
+        per_microbatch, vectorized = backend.current().per_example_gradients(
+            microbatch_loss, variables, inputs
+        )
+        if not vectorized:
+            self._warn_once(
+                "dp_vectorization",
+                "DifferentialPrivacyMixin: an op of the model cannot be "
+                "vectorized over microbatches (tf.vectorized_map), so their "
+                "gradients are computed one after another (slower, same "
+                "result).",
+            )
+        if scale is not None:
+            per_microbatch = [
+                g / ops.cast(scale, g.dtype) for g in per_microbatch
+            ]
+        clip = ops.cast(self.l2_norm_clip, "float32")
+        sums, norms = privacy.clip_and_sum(per_microbatch, clip)
+        self._report(
+            "dp_clipped_fraction",
+            ops.mean(ops.cast(norms > clip, "float32")),
+        )
+        sums = pipeline.all_reduce_sum(sums)
+        if self.noise_multiplier:
+            sums = privacy.add_noise(
+                sums,
+                ops.cast(self.noise_multiplier, "float32") * clip,
+                _model_state.state_of(self).dp_seeds,
+            )
+        if microbatches is None:
+            count = _keras_compat.batch_size(x, "float32") * replicas
+        else:
+            count = float(microbatches * replicas)
+        return [ops.cast(g / count, v.dtype) for g, v in zip(sums, variables)]
+
+    def _microbatch_count(self, x: Any) -> int | None:
+        """Returns the number of microbatches; `None`: one per example.
+
+        A `num_microbatches` that does not divide a batch of known size is
+        refused here; with a batch size known only at run time (a dataset
+        on TensorFlow), the split itself fails on such a batch.
+        """
+        if self.num_microbatches is None:
+            return None
+        first = next(t for t in keras.tree.flatten(x) if t is not None)
+        batch_size = first.shape[0]
+        count = self.num_microbatches
+        if batch_size is not None and batch_size % count:
+            raise ValueError(
+                "`num_microbatches` must divide the batch size. Received: "
+                f"num_microbatches={count} for a batch of {batch_size} "
+                "examples (the batch size `fit` used, or its last, "
+                "shorter batch). Pick a divisor of the batch size, and "
+                "drop the remainder (a dataset batched with "
+                "drop_remainder=True, or a number of examples divisible "
+                "by the batch size)."
+            )
+        return count
+
+    def _refuse_batch_mixing(self) -> None:
+        """Raises if a layer mixes the examples of a batch in training."""
+        pending = list(self.layers)
+        while pending:
+            layer = pending.pop()
+            pending.extend(getattr(layer, "layers", None) or ())
+            if isinstance(layer, keras.layers.BatchNormalization):
+                raise ValueError(
+                    "DifferentialPrivacyMixin trains one example at a time, "
+                    "and BatchNormalization in training mode mixes the "
+                    "examples of a batch: each example's gradient depends "
+                    "on the others, so clipping it bounds nothing. "
+                    f"Received: the layer {layer.name!r}. Use "
+                    "keras.layers.GroupNormalization or "
+                    "LayerNormalization instead."
+                )

@@ -28,9 +28,9 @@ import digits  # noqa: E402  (examples/digits.py)
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import seed_mlp  # noqa: E402  (examples/seed_mlp.py)
-import tensorflow as tf  # noqa: E402
 from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
+from keras import ops  # noqa: E402
 
 import custom_fit  # noqa: E402
 
@@ -51,7 +51,7 @@ def centralize(gradient):
         A tensor of the same shape whose mean over the fan-in axes is zero.
     """
     fan_in_axes = list(range(len(gradient.shape) - 1))
-    return gradient - tf.reduce_mean(gradient, axis=fan_in_axes, keepdims=True)
+    return gradient - ops.mean(gradient, axis=fan_in_axes, keepdims=True)
 
 
 class CentralizedMLP(custom_fit.TrainStepMixin, keras.Model):
@@ -60,7 +60,7 @@ class CentralizedMLP(custom_fit.TrainStepMixin, keras.Model):
     def transform_gradients(self, gradients, variables):
         """Centralizes kernel gradients, then runs the other transforms."""
         gradients = [
-            centralize(tf.convert_to_tensor(g))
+            centralize(ops.convert_to_tensor(g))
             if g is not None and len(v.shape) >= 2
             else g
             for g, v in zip(gradients, variables)

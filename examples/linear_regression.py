@@ -68,8 +68,8 @@ def main(argv):
         optimizer=keras.optimizers.SGD(_LEARNING_RATE.value), loss="mse"
     )
     history = model.fit(x, y, batch_size=32, epochs=_EPOCHS.value, verbose=0)
-    weights = model.w.numpy().ravel()
-    bias = model.b.numpy()
+    weights = keras.ops.convert_to_numpy(model.w).ravel()
+    bias = keras.ops.convert_to_numpy(model.b)
     error = np.abs(
         np.concatenate([weights - TRUE_WEIGHTS.ravel(), bias - TRUE_BIAS])
     ).max()

@@ -154,7 +154,9 @@ def alternating_sgd(real, batch_size, steps, clipnorm=None, lr=0.1):
     record = {"d_loss": [], "d_grads": [], "g_loss": [], "g_grads": []}
     for step in range(steps):
         batch = real[step * batch_size : (step + 1) * batch_size]
-        noise = keras.random.normal((len(batch), NOISE), seed=seeds)
+        noise = testing.to_numpy(
+            keras.random.normal((len(batch), NOISE), seed=seeds)
+        )
         fake = testing.to_numpy(run(generator, g_weights, noise))
         d_loss, d_grads = value_and_gradients(
             lambda w, batch=batch, fake=fake: (
@@ -253,8 +255,9 @@ class GANTest(testing.TestCase):
         )
 
     def test_each_network_logs_its_own_inspection(self):
-        """Each network's grad_norm is logged under its name and equals the
-        norm of its gradient; per-layer norms are readable on each."""
+        """Each network's grad_norm (and, one step, grad_norm_step) is
+        logged under its name and equals the norm of its gradient; per-layer
+        norms are readable on each."""
         expected = alternating_sgd(real_data(), 32, steps=1, clipnorm=0.1)
         d_grads, g_grads = expected["d_grads"][0], expected["g_grads"][0]
         self.assertGreater(global_norm(d_grads), 0.5)  # the clip bites
@@ -266,22 +269,24 @@ class GANTest(testing.TestCase):
                 "discriminator_clip_rate",
                 "discriminator_grad_norm",
                 "discriminator_grad_norm_clipped",
+                "discriminator_grad_norm_step",
                 "g_loss",
                 "generator_grad_norm",
+                "generator_grad_norm_step",
             ],
         )
-        self.assertAllClose(
-            history["discriminator_grad_norm"][0],
-            global_norm(d_grads),
-            rtol=1e-5,
-        )
+        for key in ("discriminator_grad_norm", "discriminator_grad_norm_step"):
+            self.assertAllClose(
+                history[key][0], global_norm(d_grads), rtol=1e-5, msg=key
+            )
         self.assertAllClose(
             history["discriminator_grad_norm_clipped"][0], 0.1, rtol=1e-5
         )
         self.assertEqual(history["discriminator_clip_rate"], [1.0])
-        self.assertAllClose(
-            history["generator_grad_norm"][0], global_norm(g_grads), rtol=1e-5
-        )
+        for key in ("generator_grad_norm", "generator_grad_norm_step"):
+            self.assertAllClose(
+                history[key][0], global_norm(g_grads), rtol=1e-5, msg=key
+            )
         self.assertEqual(
             sorted(gan.discriminator.gradient_norms), ["d_hidden", "d_out"]
         )

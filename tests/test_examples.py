@@ -1,4 +1,14 @@
-"""Runs the examples with small flags and checks what they print."""
+"""Runs the examples with small flags and checks what they print.
+
+Each example runs in a fresh process under each Keras backend: the test is
+parameterized over the backend, which the process gets as
+`KERAS_BACKEND`, and each parameter carries that backend's marker, so the
+TensorFlow pass of the suite runs the examples on TensorFlow and the JAX
+pass on JAX. Every example program run here runs on both backends
+unchanged (TensorBoard logs are written with TensorFlow's `tf.summary`
+on either). The two that launch a cluster need one backend by nature and
+are tested in files of their own (see `TESTED_ELSEWHERE`).
+"""
 
 import csv
 import math
@@ -9,27 +19,55 @@ import sys
 import tempfile
 
 import matplotlib
-from tensorboard.backend.event_processing import event_accumulator
+import numpy as np
+import pytest
 
 from tests import testing
 
 matplotlib.use("Agg")
 from matplotlib import pyplot  # noqa: E402
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BACKENDS = pytest.mark.parametrize(
+    "backend",
+    [
+        pytest.param("tensorflow", marks=pytest.mark.tensorflow),
+        pytest.param("jax", marks=pytest.mark.jax),
+    ],
+)
+
+# Example programs with a test file of their own, and why.
+TESTED_ELSEWHERE = {
+    # TensorFlow only: MultiWorkerMirroredStrategy over local workers.
+    "multi_worker": "multi_worker_test.py",
+    # JAX only: keras.distribution.initialize over local processes.
+    "jax_multi_process": "jax_multi_process_test.py",
+}
 
 
-def run_example(name, *flags):
-    """Runs `examples/<name>.py` in a fresh process; returns its stdout."""
-    result = subprocess.run(
-        [sys.executable, os.path.join(_ROOT, "examples", f"{name}.py"), *flags],
+def run_example(name, backend, *flags, env=None):
+    """Runs `examples/<name>.py` in a fresh process with
+    `KERAS_BACKEND=backend`; returns the completed process."""
+    return subprocess.run(
+        [
+            sys.executable,
+            os.path.join(testing.EXAMPLES_DIR, f"{name}.py"),
+            *flags,
+        ],
         capture_output=True,
         text=True,
         timeout=300,
+        env={**os.environ, **(env or {}), "KERAS_BACKEND": backend},
         check=False,
     )
+
+
+def output_of(name, backend, *flags):
+    """Runs the example (see `run_example`); returns its stdout."""
+    result = run_example(name, backend, *flags)
     if result.returncode != 0:
-        raise AssertionError(f"{name} failed:\n{result.stderr[-3000:]}")
+        raise AssertionError(
+            f"{name} failed on {backend}:\n{result.stderr[-3000:]}"
+        )
     return result.stdout
 
 
@@ -45,61 +83,94 @@ def validation_accuracy(output):
     return printed(output, "validation accuracy")
 
 
-class ExamplesTest(testing.TestCase):
-    def test_quickstart_learns_digits(self):
-        """The quickstart prints a validation accuracy well above chance."""
-        output = run_example("quickstart", "--epochs=5")
-        self.assertGreater(validation_accuracy(output), 0.6)
+def read(path):
+    with open(path, encoding="utf-8") as handle:
+        return handle.read()
 
-    def test_activity_regularization_logs_each_component(self):
+
+def is_program(path):
+    """Whether an example file is a program (not a module they share)."""
+    return 'if __name__ == "__main__":' in read(path)
+
+
+def other_tests_naming(name):
+    """The test files other than this one that name `examples/<name>.py`
+    (as "<name>" or "<name>.py", quoted)."""
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    pattern = re.compile(rf"[\"']{re.escape(name)}(\.py)?[\"']")
+    return [
+        filename
+        for filename in sorted(os.listdir(tests_dir))
+        if filename.endswith(".py")
+        and filename != os.path.basename(__file__)
+        and pattern.search(read(os.path.join(tests_dir, filename)))
+    ]
+
+
+class TestExamples:
+    @BACKENDS
+    def test_quickstart_learns_digits(self, backend):
+        """The quickstart prints a validation accuracy well above chance."""
+        output = output_of("quickstart", backend, "--epochs=5")
+        assert validation_accuracy(output) > 0.6, output
+
+    @BACKENDS
+    def test_activity_regularization_logs_each_component(self, backend):
         """Every loss component and its val_ twin is printed, the components
         add up to the loss, and the model learns."""
-        output = run_example("activity_regularization", "--epochs=3")
+        output = output_of("activity_regularization", backend, "--epochs=3")
         components = ("data_loss", "regularization_loss", "l2_penalty")
         for name in (*components, "logit_penalty"):
-            self.assertRegex(output, f"(?m)^{name}: [0-9.]+$")
-            self.assertRegex(output, f"(?m)^val_{name}: [0-9.]+$")
+            assert re.search(f"(?m)^{name}: [0-9.]+$", output), name
+            assert re.search(f"(?m)^val_{name}: [0-9.]+$", output), name
         total = sum(
             printed(output, name) for name in (*components, "logit_penalty")
         )
-        self.assertAllClose(total, printed(output, "loss"), rtol=1e-3)
-        self.assertGreater(validation_accuracy(output), 0.5)
+        np.testing.assert_allclose(total, printed(output, "loss"), rtol=1e-3)
+        assert validation_accuracy(output) > 0.5, output
 
-    def test_mnist_mlp_writes_logs_png_and_csv(self):
+    @BACKENDS
+    def test_mnist_mlp_writes_logs_png_and_csv(self, backend):
         """TensorBoard events, a PNG and a CSV with one column per layer,
         and an accuracy above chance after one epoch on digits."""
         output_dir = tempfile.mkdtemp()
-        output = run_example(
-            "mnist_mlp", "--epochs=2", f"--output_dir={output_dir}"
+        output = output_of(
+            "mnist_mlp", backend, "--epochs=2", f"--output_dir={output_dir}"
         )
-        self.assertGreater(validation_accuracy(output), 0.3)
+        assert validation_accuracy(output) > 0.3, output
         with open(os.path.join(output_dir, "gradient_norms.png"), "rb") as f:
-            self.assertEqual(f.read(4), b"\x89PNG")
+            assert f.read(4) == b"\x89PNG"
         with open(os.path.join(output_dir, "gradient_norms.csv")) as f:
             header = f.readline().strip()
-        self.assertEqual(header, "step,dense_1,dense_2,predictions")
+        assert header == "step,dense_1,dense_2,predictions"
         events = os.listdir(os.path.join(output_dir, "logs", "train"))
-        self.assertTrue(any(name.startswith("events.out") for name in events))
+        assert any(name.startswith("events.out") for name in events), events
 
-    def test_inspect_gradients_writes_what_it_inspected(self):
+    @BACKENDS
+    def test_inspect_gradients_writes_what_it_inspected(self, backend):
         """TensorBoard tags per layer (read back with TensorBoard's own
         reader), a PNG that decodes, a CSV of finite positive norms, every
         statistic printed, and an accuracy above chance."""
+        from tensorboard.backend.event_processing import event_accumulator
+
         output_dir = tempfile.mkdtemp()
-        output = run_example(
-            "inspect_gradients", "--epochs=2", f"--output_dir={output_dir}"
+        output = output_of(
+            "inspect_gradients",
+            backend,
+            "--epochs=2",
+            f"--output_dir={output_dir}",
         )
-        self.assertGreater(validation_accuracy(output), 0.3)
+        assert validation_accuracy(output) > 0.3, output
         for statistic in ("norm", "max_abs", "zero_fraction", "update_ratio"):
-            self.assertRegex(output, rf"(?m)^  {statistic}: dense_1=")
+            assert re.search(rf"(?m)^  {statistic}: dense_1=", output)
         layers = ["dense_1", "dense_2", "predictions"]
         image = pyplot.imread(os.path.join(output_dir, "gradient_norms.png"))
-        self.assertGreater(min(image.shape[:2]), 100)
+        assert min(image.shape[:2]) > 100
         with open(os.path.join(output_dir, "gradient_norms.csv")) as f:
             rows = list(csv.DictReader(f))
-        self.assertEqual(list(rows[0]), ["step", *layers])
+        assert list(rows[0]) == ["step", *layers]
         norms = [float(row[layer]) for row in rows for layer in layers]
-        self.assertTrue(all(0 < n < math.inf for n in norms))
+        assert all(0 < n < math.inf for n in norms), norms
         accumulator = event_accumulator.EventAccumulator(
             os.path.join(output_dir, "logs", "train"),
             size_guidance={event_accumulator.TENSORS: 0},
@@ -107,41 +178,39 @@ class ExamplesTest(testing.TestCase):
         accumulator.Reload()
         tags = set(accumulator.Tags()["tensors"])
         for layer in layers:
-            self.assertIn(f"gradient_norm/{layer}", tags)
-            self.assertIn(f"gradients/{layer}", tags)
-        self.assertIn("epoch_loss", tags)  # Keras' TensorBoard, same dir
+            assert f"gradient_norm/{layer}" in tags, tags
+            assert f"gradients/{layer}" in tags, tags
+        assert "epoch_loss" in tags, tags  # Keras' TensorBoard, same dir
 
-    def test_linear_regression_recovers_the_coefficients(self):
+    @BACKENDS
+    def test_linear_regression_recovers_the_coefficients(self, backend):
         """The fitted W and b are within 0.02 of the generating ones."""
-        output = run_example("linear_regression", "--epochs=10")
-        self.assertLess(printed(output, "max coefficient error"), 0.02)
+        output = output_of("linear_regression", backend, "--epochs=10")
+        assert printed(output, "max coefficient error") < 0.02, output
 
-    def test_gradient_centralization_centres_every_update(self):
+    @BACKENDS
+    def test_gradient_centralization_centres_every_update(self, backend):
         """With centralization the weight change of each unit sums to ~0
         over its inputs (the definition); without, it does not. Both
         variants learn."""
-        output = run_example("gradient_centralization", "--epochs=2")
-        self.assertGreater(
-            printed(output, "centralized validation accuracy"), 0.5
+        output = output_of("gradient_centralization", backend, "--epochs=2")
+        assert printed(output, "centralized validation accuracy") > 0.5
+        assert printed(output, "plain validation accuracy") > 0.5
+        centralized = printed(
+            output, "centralized largest per-unit sum of weight changes"
         )
-        self.assertGreater(printed(output, "plain validation accuracy"), 0.5)
-        self.assertLess(
-            printed(
-                output, "centralized largest per-unit sum of weight changes"
-            ),
-            1e-4,
-        )
-        self.assertGreater(
-            printed(output, "plain largest per-unit sum of weight changes"),
-            1e-2,
-        )
+        plain = printed(output, "plain largest per-unit sum of weight changes")
+        assert centralized < 1e-4, output
+        assert plain > 1e-2, output
 
-    def test_wgan_gp_logs_the_library_penalty_and_writes_a_png(self):
+    @BACKENDS
+    def test_wgan_gp_logs_the_library_penalty_and_writes_a_png(self, backend):
         """The critic's gradient penalty (from the library) and both losses
         are logged, finite, and the grid is a real PNG."""
         output_png = os.path.join(tempfile.mkdtemp(), "grid.png")
-        output = run_example(
+        output = output_of(
             "wgan_gp",
+            backend,
             "--epochs=2",
             "--critic_steps=2",
             f"--output={output_png}",
@@ -153,53 +222,71 @@ class ExamplesTest(testing.TestCase):
             "critic_grad_norm",
             "generator_grad_norm",
         ):
-            self.assertTrue(math.isfinite(printed(output, name)), name)
-        self.assertGreater(printed(output, "critic_input_gradient_penalty"), 0)
+            assert math.isfinite(printed(output, name)), name
+        assert printed(output, "critic_input_gradient_penalty") > 0
         with open(output_png, "rb") as f:
-            self.assertEqual(f.read(4), b"\x89PNG")
+            assert f.read(4) == b"\x89PNG"
 
-    def test_gan_logs_both_networks_and_writes_a_png(self):
+    @BACKENDS
+    def test_gan_logs_both_networks_and_writes_a_png(self, backend):
         """Both losses and each network's gradient norms are logged, the
         discriminator's clipped norm respects its bound, and the grid of
         generated digits is a real PNG."""
         output_png = os.path.join(tempfile.mkdtemp(), "grid.png")
-        output = run_example(
+        output = output_of(
             "gan",
+            backend,
             "--epochs=2",
             "--discriminator_clipnorm=0.5",
             f"--output={output_png}",
         )
         for name in ("d_loss", "g_loss", "generator_grad_norm"):
-            self.assertTrue(math.isfinite(printed(output, name)), name)
-        self.assertGreater(printed(output, "discriminator_grad_norm"), 0.0)
-        self.assertLessEqual(
-            printed(output, "discriminator_grad_norm_clipped"), 0.5 + 1e-4
-        )
-        self.assertIn("generator gradient norms by layer: g_dense_1=", output)
+            assert math.isfinite(printed(output, name)), name
+        assert printed(output, "discriminator_grad_norm") > 0.5, output
+        assert printed(output, "discriminator_grad_norm_clipped") <= 0.5 + 1e-4
+        assert printed(output, "discriminator_clip_rate") > 0.0, output
+        assert "generator gradient norms by layer: g_dense_1=" in output
         with open(output_png, "rb") as handle:
-            self.assertEqual(handle.read(8), b"\x89PNG\r\n\x1a\n")
+            assert handle.read(8) == b"\x89PNG\r\n\x1a\n"
 
-    def test_mnist_without_network_fails_with_a_clear_message(self):
+    @BACKENDS
+    def test_mnist_without_network_fails_with_a_clear_message(self, backend):
         """--dataset=mnist either trains (network there) or exits with a
         message naming --dataset=digits; never a bare traceback."""
         home = tempfile.mkdtemp()  # no cached copy of MNIST
-        result = subprocess.run(
-            [
-                sys.executable,
-                os.path.join(_ROOT, "examples", "mnist_mlp.py"),
-                "--dataset=mnist",
-                "--epochs=1",
-                f"--output_dir={home}",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            env={**os.environ, "KERAS_HOME": home},
-            check=False,
+        result = run_example(
+            "mnist_mlp",
+            backend,
+            "--dataset=mnist",
+            "--epochs=1",
+            f"--output_dir={home}",
+            env={"KERAS_HOME": home},
         )
         if result.returncode == 0:
-            self.assertGreater(validation_accuracy(result.stdout), 0.5)
+            assert validation_accuracy(result.stdout) > 0.5, result.stdout
             return
-        self.assertEqual(result.returncode, 1, result.stderr[-2000:])
-        self.assertIn("--dataset=digits", result.stderr)
-        self.assertNotIn("Traceback", result.stderr)
+        assert result.returncode == 1, result.stderr[-2000:]
+        assert "--dataset=digits" in result.stderr
+        assert "Traceback" not in result.stderr
+
+    def test_every_example_program_is_run(self):
+        """Each program in examples/ is run by a test of this class (named
+        after it), or by another test file that names it; those that need
+        one backend by nature are in `TESTED_ELSEWHERE`."""
+        tested_here = {
+            name[len("test_") :]
+            for name in dir(self)
+            if name.startswith("test_")
+        }
+        for filename in sorted(os.listdir(testing.EXAMPLES_DIR)):
+            name, extension = os.path.splitext(filename)
+            path = os.path.join(testing.EXAMPLES_DIR, filename)
+            if extension != ".py" or not is_program(path):
+                continue
+            if name in TESTED_ELSEWHERE:
+                assert TESTED_ELSEWHERE[name] in other_tests_naming(name), name
+                continue
+            here = any(test.startswith(name + "_") for test in tested_here)
+            assert here or other_tests_naming(name), (
+                f"examples/{filename} is not run by any test"
+            )

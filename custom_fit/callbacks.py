@@ -402,3 +402,102 @@ class GradientAlarm(keras.callbacks.Callback):
             if not math.isfinite(norm)
             or (self.max_norm is not None and norm > self.max_norm)
         ]
+
+
+class PrivacyBudget(keras.callbacks.Callback):
+    """Logs the privacy spent so far, and can stop at a budget.
+
+    At the end of each epoch it computes, with
+    `custom_fit.privacy.epsilon`, the epsilon that the model's private
+    updates so far spend at `delta` (the model is a
+    `custom_fit.DifferentialPrivacyMixin` model: its `noise_multiplier`,
+    and its optimizer's update count), and puts it in the epoch's logs as
+    `logs["epsilon"]` (History, `CSVLogger`, TensorBoard). With
+    `max_epsilon`, it stops training at the end of the first epoch whose
+    spending passes the budget, and says so.
+
+    The dataset's size and `delta` are yours to give: `num_examples` is the
+    number of training examples, `batch_size` the batch size `fit` uses.
+
+    Args:
+        num_examples: Integer. The number of training examples.
+        batch_size: Integer. The batch size of `fit`.
+        delta: Float in (0, 1 / num_examples).
+        max_epsilon: Float or `None`. Stop once epsilon exceeds it.
+        accountant: `"rdp"` (default) or `"pld"`; see
+            `custom_fit.privacy.epsilon`.
+
+    Attributes:
+        epsilons: List of the epsilon after each epoch.
+
+    Example:
+
+    ```python
+    budget = custom_fit.callbacks.PrivacyBudget(
+        num_examples=len(x), batch_size=64, delta=1e-5, max_epsilon=8.0)
+    model.fit(x, y, batch_size=64, epochs=30, callbacks=[budget])
+    ```
+    """
+
+    def __init__(
+        self,
+        num_examples: int,
+        batch_size: int,
+        delta: float,
+        max_epsilon: float | None = None,
+        accountant: str = "rdp",
+    ) -> None:
+        super().__init__()
+        self.num_examples = _validation.positive_int(
+            "num_examples", num_examples
+        )
+        self.batch_size = _validation.positive_int("batch_size", batch_size)
+        self.delta = delta
+        self.max_epsilon = _validation.positive_float_or_none(
+            "max_epsilon", max_epsilon
+        )
+        self.accountant = _validation.one_of(("rdp", "pld"))(
+            "accountant", accountant
+        )
+        self.epsilons: list[float] = []
+
+    def on_train_begin(self, logs: Logs | None = None) -> None:
+        noise = getattr(self.model, "noise_multiplier", None)
+        if noise is None:
+            raise ValueError(
+                "PrivacyBudget needs a model built with "
+                "custom_fit.DifferentialPrivacyMixin. Received: a model of "
+                f"class {type(self.model).__name__}. Add the mixin to the "
+                "model's bases."
+            )
+        if not noise:
+            raise ValueError(
+                "PrivacyBudget counts the privacy of noisy updates, and the "
+                "model adds no noise. Received: noise_multiplier=0.0. Pass a "
+                "noise_multiplier > 0 to the model, or leave the callback "
+                "out."
+            )
+        self.epsilons = []
+
+    def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
+        from custom_fit import privacy
+
+        steps = int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
+        epsilon = privacy.epsilon(
+            steps,
+            self.batch_size,
+            self.num_examples,
+            float(self.model.noise_multiplier),
+            self.delta,
+            self.accountant,
+        )
+        self.epsilons.append(epsilon)
+        if logs is not None:
+            logs["epsilon"] = epsilon
+        if self.max_epsilon is not None and epsilon > self.max_epsilon:
+            print(
+                f"PrivacyBudget: epsilon {epsilon:.3f} after epoch "
+                f"{epoch + 1} exceeds max_epsilon={self.max_epsilon}. "
+                "Stopping training."
+            )
+            self.model.stop_training = True

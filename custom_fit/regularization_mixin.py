@@ -270,8 +270,8 @@ class RegularizationMixin(TrainStepMixin):
                 f"The network {self.name!r} has input_gradient_penalty="
                 f"{self.input_gradient_penalty}, taken at inputs that the "
                 "caller of `minimize` names. Received: penalty_inputs=None. "
-                "Pass the inputs, e.g. `minimize(loss, tape, "
-                "penalty_inputs=interpolated)` for WGAN-GP."
+                "Pass the inputs, e.g. `minimize(loss_function, "
+                "optimizer=..., penalty_inputs=interpolated)` for WGAN-GP."
             )
         else:
             terms["input_gradient_penalty"] = self._option_in_step(

@@ -557,6 +557,9 @@ class TrainStepMixin(_keras_compat.PrivateOverrides):
         The gradients come from the tape, so `compute_gradients` is not
         called; the rest of the pipeline is the same.
         """
+        if backend.name() != "tensorflow":
+            # Refused with the neutral form as the fix, before any use.
+            backend.current().recorded_gradients(tape, loss, ())
         optimizer = self._prepared(optimizer)
         variables = list(
             self.trainable_variables if variables is None else variables

@@ -318,8 +318,8 @@ class GradientTensorBoard(keras.callbacks.Callback):
 class GradientAlarm(keras.callbacks.Callback):
     """Stops training, or warns, when a layer's gradients go bad.
 
-    After each call of the train function it checks `model.gradient_norms`
-    in `model.layers` order, and names the first layer whose gradient norm
+    Each time the model has inspected a new step (see `inspect_every`), it
+    checks `model.gradient_norms` in `model.layers` order, and names the first layer whose gradient norm
     is NaN or infinite, or above `max_norm`; the message lists every bad
     layer.
 
@@ -339,7 +339,7 @@ class GradientAlarm(keras.callbacks.Callback):
 
     Attributes:
         triggered: `None`, or a `(step, layer, norm)` tuple for the first
-            alarm.
+            alarm of the latest fit (each fit starts from `None`).
 
     Example:
 
@@ -361,11 +361,19 @@ class GradientAlarm(keras.callbacks.Callback):
         self.max_norm = _validation.positive_float_or_none("max_norm", max_norm)
         self.triggered: tuple[int, str, float] | None = None
         self._warned: set[str] = set()
+        self._last_mark: tuple[Any, int] | None = None
 
     def on_train_begin(self, logs: Logs | None = None) -> None:
         _check_inspected(self, self.model)
+        self.triggered = None
+        self._warned = set()
+        # Figures already there belong to an earlier fit; only those of
+        # steps inspected in this fit can raise the alarm.
+        self._last_mark = _inspection_mark(self.model)
 
     def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
+        if not _new_figures(self):
+            return
         norms = self.model.gradient_norms
         bad = self._bad_layers(norms)
         if not bad:

@@ -373,6 +373,37 @@ class GradientAlarmTest(testing.TestCase):
         fitted([alarm], epochs=1)
         self.assertEqual(alarm.triggered[1], "hidden")
 
+    def test_figures_of_an_earlier_fit_do_not_stop_a_new_one(self):
+        """With inspect_every=4 the steps inspected are 1, 5, 9, ...: the
+        first fit (steps 1-2) inspects step 1, the second (steps 3-4)
+        inspects none, so the alarm has nothing new to judge and the second
+        fit runs all its steps."""
+        model = fitted([], epochs=1, samples=32, inspect_every=4)
+        self.assertEqual(model.inspected_step, 1)
+        alarm = callbacks.GradientAlarm(max_norm=1e-9)
+        x, y = testing.classification_data(samples=32)
+        model.fit(x, y, batch_size=16, verbose=0, callbacks=[alarm])
+        self.assertIsNone(alarm.triggered)
+        self.assertEqual(int(model.optimizer.iterations), 4)
+        self.assertEqual(model.inspected_step, 1)
+
+    def test_each_fit_starts_without_an_alarm(self):
+        """An alarm raised in one fit is not reported by the next, and a
+        layer warned about in one fit is warned about again in the next."""
+        alarm = callbacks.GradientAlarm(action="warn")
+        x, y = testing.classification_data(samples=32)
+        with self.assertWarnsRegex(UserWarning, "layer 'bad'"):
+            self.build_bad_model().fit(
+                x, y, batch_size=16, verbose=0, callbacks=[alarm]
+            )
+        self.assertEqual(alarm.triggered[1], "bad")
+        fitted([alarm], epochs=1)
+        self.assertIsNone(alarm.triggered)
+        with self.assertWarnsRegex(UserWarning, "layer 'bad'"):
+            self.build_bad_model().fit(
+                x, y, batch_size=16, verbose=0, callbacks=[alarm]
+            )
+
     def test_bad_arguments_raise(self):
         """Unknown actions and non-positive bounds are refused by name."""
         with self.assertRaisesRegex(ValueError, "Received: action='halt'"):

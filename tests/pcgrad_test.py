@@ -1,6 +1,7 @@
 """Per-loss gradients and PCGrad against plain Keras and a NumPy
 implementation of the paper's algorithm (Yu et al. 2020)."""
 
+import contextlib
 import itertools
 
 import keras
@@ -153,6 +154,25 @@ def batches(x, y, batch_size=BATCH):
         )
 
 
+@contextlib.contextmanager
+def two_devices():
+    """Trains on two devices: MirroredStrategy's scope on TensorFlow,
+    DataParallel over both host devices on JAX."""
+    if keras.backend.backend() == "tensorflow":
+        with testing.mirrored_strategy().scope():
+            yield
+        return
+    import jax
+
+    keras.distribution.set_distribution(
+        keras.distribution.DataParallel(devices=jax.devices())
+    )
+    try:
+        yield
+    finally:
+        keras.distribution.set_distribution(None)
+
+
 class TaskOrders(keras.callbacks.Callback):
     """Records `model.task_order` after every batch."""
 
@@ -296,6 +316,22 @@ class PCGradTest(testing.TestCase):
             testing.max_difference(model.get_weights(), plain.get_weights()),
             1e-4,
         )
+
+    def test_two_devices_equal_numpy_pcgrad(self):
+        """On two devices (MirroredStrategy over two logical CPUs on
+        TensorFlow, DataParallel over two host devices on JAX) each step is
+        NumPy PCGrad of the global batch's task gradients in the order
+        task_order showed: the projection is of summed, not per-device,
+        gradients."""
+        x, y = multi_task_data()
+        orders = TaskOrders()
+        with two_devices():
+            model = compiled(multi_task_model(PCGradNet, pcgrad_seed=5))
+            fit(model, x, y, epochs=2, callbacks=[orders])
+        self.assertGreater(len({tuple(o) for o in orders.orders}), 1)
+        x2 = np.concatenate([x, x])
+        y2 = {k: np.concatenate([v, v]) for k, v in y.items()}
+        self.assertPCGradSteps(model, x2, y2, orders.orders, "abc")
 
     def test_same_seed_gives_the_same_run(self):
         """The same pcgrad_seed gives the same orders and weights."""

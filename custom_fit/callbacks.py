@@ -319,9 +319,9 @@ class GradientAlarm(keras.callbacks.Callback):
     """Stops training, or warns, when a layer's gradients go bad.
 
     Each time the model has inspected a new step (see `inspect_every`), it
-    checks `model.gradient_norms` in `model.layers` order, and names the first layer whose gradient norm
-    is NaN or infinite, or above `max_norm`; the message lists every bad
-    layer.
+    checks `model.gradient_norms` in `model.layers` order, and names the
+    first layer whose gradient norm is NaN or infinite, or above
+    `max_norm`; the message lists every bad layer.
 
     Which layer is to blame can be read off the gradients only while the
     loss is finite: a layer whose own weights get a NaN or infinite

@@ -12,17 +12,21 @@ class GradientClippingMixin(TrainStepMixin):
 `TrainStepMixin` finds every `Option` in the class's MRO, pops those
 keywords in `__init__`, validates them, checks that each option set away
 from its default has the options it needs, and puts them in
-`get_config()`; `from_config` re-applies them. The option is then readable
-as a model attribute of the same name (`model.clipnorm`) and read-only: the
-training step is traced with these values, so they are fixed at
-construction. Keywords that are no option and that Keras would drop (a
-functional model ignores unknown keywords) are refused, with the closest
-option name as a suggestion.
+`get_config()`; `from_config` hands them to the constructor Keras calls
+(`pending`), so that a model is never built without its options. The
+option is then readable as a model attribute of the same name
+(`model.clipnorm`) and read-only: the training step is traced with these
+values, so they are fixed at construction. Keywords that are no option and
+that Keras would drop (a functional model ignores unknown keywords) are
+refused, with the closest option name as a suggestion.
 """
 
+import contextlib
 import difflib
 import inspect
+import threading
 from collections.abc import Callable
+from collections.abc import Iterator
 from collections.abc import Sequence
 from typing import Any
 
@@ -163,6 +167,45 @@ def pop_options(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
         for name in declared_options(cls)
         if name in kwargs
     }
+
+
+_PENDING = threading.local()
+
+
+class _Pending:
+    """Options held for the next constructor of `cls` in this thread."""
+
+    def __init__(self, cls: type, options: dict[str, Any]) -> None:
+        self.cls = cls
+        self.options = dict(options)
+        self.taken = False
+
+
+@contextlib.contextmanager
+def pending(cls: type, options: dict[str, Any]) -> Iterator[_Pending]:
+    """Holds `options` for the next constructor of `cls` in this thread.
+
+    Keras' `from_config` builds the model with the keywords it knows (a
+    `Sequential` drops the others); the constructor of `cls` that it calls
+    takes `options` with `take_pending`, once. The context's value says
+    whether it did (`.taken`).
+    """
+    previous = getattr(_PENDING, "value", None)
+    held = _Pending(cls, options)
+    _PENDING.value = held
+    try:
+        yield held
+    finally:
+        _PENDING.value = previous
+
+
+def take_pending(cls: type) -> dict[str, Any] | None:
+    """Returns the options `pending` holds for `cls`, once; else `None`."""
+    held = getattr(_PENDING, "value", None)
+    if held is None or held.cls is not cls or held.taken:
+        return None
+    held.taken = True
+    return held.options
 
 
 def refuse_unknown_keywords(

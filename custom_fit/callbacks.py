@@ -16,6 +16,7 @@ import keras
 import numpy as np
 
 from custom_fit import _validation
+from custom_fit import privacy
 from custom_fit._types import Logs
 
 
@@ -467,6 +468,9 @@ class PrivacyBudget(keras.callbacks.Callback):
         self.accountant = _validation.one_of(("rdp", "pld"))(
             "accountant", accountant
         )
+        # Zero steps spend nothing; the call checks `delta` against
+        # `num_examples` now, and that dp-accounting is installed.
+        privacy.epsilon(0, self.batch_size, self.num_examples, 1.0, delta)
         self.epsilons: list[float] = []
 
     def on_train_begin(self, logs: Logs | None = None) -> None:
@@ -488,8 +492,6 @@ class PrivacyBudget(keras.callbacks.Callback):
         self.epsilons = []
 
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
-        from custom_fit import privacy
-
         steps = int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
         epsilon = privacy.epsilon(
             steps,

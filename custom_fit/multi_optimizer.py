@@ -85,7 +85,10 @@ class MultiOptimizer(keras.optimizers.Optimizer):
         raise AttributeError(
             "A MultiOptimizer has one learning rate per group. Received: a "
             "read or write of `learning_rate`. Use "
-            "`optimizer.optimizers[i].learning_rate` for group i."
+            "`optimizer.optimizers[i].learning_rate` for group i. (Keras' "
+            "TensorBoard callback reads one learning rate before Keras "
+            "3.15, which logs one per group: use Keras >= 3.15 with "
+            "TensorBoard.)"
         )
 
     @learning_rate.setter

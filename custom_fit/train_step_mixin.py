@@ -165,6 +165,9 @@ class TrainStepMixin(_keras_compat.PrivateOverrides):
         _options.refuse_unknown_keywords(type(self), args, kwargs)
         source = _keras_compat.model_being_cloned()
         super().__init__(*args, **kwargs)
+        if not options:
+            # From `from_config`: the options Keras does not pass on.
+            options = _options.take_pending(type(self)) or {}
         if not options and isinstance(source, TrainStepMixin):
             # keras.models.clone_model builds the clone without keywords.
             options = dict(_model_state.state_of(source).options)
@@ -1219,7 +1222,8 @@ class TrainStepMixin(_keras_compat.PrivateOverrides):
         """Rebuilds a model from `get_config()`, mixin keywords included.
 
         Keras' `Sequential.from_config` drops unknown keys, so the mixin
-        keywords are taken out, the model is built, and they are applied.
+        keywords are taken out and handed to the constructor that Keras'
+        `from_config` calls.
 
         Args:
             config: Dict returned by `get_config()`.
@@ -1233,8 +1237,11 @@ class TrainStepMixin(_keras_compat.PrivateOverrides):
             name: _options.from_config(value)
             for name, value in _options.pop_options(cls, config).items()
         }
-        model = super().from_config(config, custom_objects=custom_objects)
-        model._configure_options(options)
+        with _options.pending(cls, options) as held:
+            model = super().from_config(config, custom_objects=custom_objects)
+        if not held.taken:
+            # Keras built the model some other way: apply them afterwards.
+            model._configure_options(options)
         return model
 
 

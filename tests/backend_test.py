@@ -59,7 +59,10 @@ class BackendSelectionTest(testing.TestCase):
         ValueError naming the backend and the supported ones."""
         result = run_python(
             """
-            import keras
+            try:
+                import keras
+            except ImportError as error:  # Keras < 3.12 needs JAX for it
+                raise SystemExit(f"numpy backend unavailable: {error!r}")
             import custom_fit
 
             class Net(custom_fit.TrainStepMixin, keras.Model):
@@ -73,6 +76,8 @@ class BackendSelectionTest(testing.TestCase):
             """,
             "numpy",
         )
+        if "numpy backend unavailable" in result.stderr:
+            self.skipTest(result.stderr.strip().splitlines()[-1])
         self.assertEqual(result.returncode, 0, result.stderr[-2000:])
         self.assertIn("refused:", result.stdout)
         self.assertIn("KERAS_BACKEND='numpy'", result.stdout)

@@ -34,9 +34,7 @@ class BenchmarkSmokeTest(testing.TestCase):
             check=False,
         )
         self.assertEqual(result.returncode, 0, result.stderr[-3000:])
-        setting, summary = result.stdout.split(
-            f"## {testing.BACKEND} summary"
-        )
+        setting, summary = result.stdout.split(f"## {testing.BACKEND} summary")
         rows = [
             [cell.strip() for cell in line.split("|")]
             for line in setting.splitlines()

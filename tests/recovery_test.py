@@ -8,6 +8,7 @@ import tempfile
 import time
 
 import numpy as np
+import pytest
 
 from tests import testing
 
@@ -94,6 +95,7 @@ class RecoveryTest(testing.TestCase):
 
 
 class ParameterServerTest(testing.TestCase):
+    @pytest.mark.tensorflow  # a tf.distribute strategy
     def test_parameter_server_strategy_gets_a_clear_error(self):
         """Keras 3's fit cannot run under ParameterServerStrategy; a mixin
         model says so at construction, naming the strategy and the fix."""

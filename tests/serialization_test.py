@@ -1,11 +1,13 @@
 """get_config/from_config and .keras round trips keep the mixin keywords,
 within one backend and from one backend to the other."""
 
+import importlib.util
 import os
 import subprocess
 import sys
 import tempfile
 import textwrap
+import unittest
 
 import keras
 import numpy as np
@@ -284,6 +286,10 @@ class SerializationTest(testing.TestCase):
 
 
 @pytest.mark.slow
+@unittest.skipIf(
+    importlib.util.find_spec(OTHER_BACKEND) is None,
+    f"the other backend ({OTHER_BACKEND}) is not installed",
+)
 class CrossBackendTest(testing.TestCase):
     """A `.keras` file saved under one backend loads under the other."""
 

@@ -6,10 +6,12 @@ Kolmogorov-Smirnov test), and Google's dp-accounting called directly."""
 import contextlib
 import os
 import tempfile
+import warnings
 
 import dp_accounting
 import keras
 import numpy as np
+import pytest
 from absl.testing import parameterized
 from dp_accounting import pld
 from dp_accounting import rdp
@@ -96,6 +98,47 @@ def regularized_mlp(model_class=keras.Model, **kwargs):
     outputs = keras.layers.Dense(
         3, kernel_initializer=keras.initializers.GlorotUniform(seed=2)
     )(hidden)
+    return model_class(inputs, outputs, **kwargs)
+
+
+def text_model(model_class=keras.Model, **kwargs):
+    """Embedding (20 tokens, 4 dimensions), mean over the sequence, Dense
+    logits; weights drawn with NumPy (the same on every backend)."""
+    inputs = keras.Input((6,), dtype="int32")
+    embedded = keras.layers.Embedding(20, 4)(inputs)
+    pooled = keras.layers.GlobalAveragePooling1D()(embedded)
+    outputs = keras.layers.Dense(3)(pooled)
+    model = model_class(inputs, outputs, **kwargs)
+    rng = np.random.RandomState(1)
+    model.set_weights(
+        [rng.normal(0, 1, w.shape).astype("float32") for w in model.weights]
+    )
+    return model
+
+
+class HostScale(keras.layers.Layer):
+    """Doubles its input through `tf.py_function`, which has no vectorized
+    form: `tf.vectorized_map` refuses it."""
+
+    def call(self, inputs):
+        import tensorflow as tf
+
+        doubled = tf.py_function(lambda a: a * 2.0, [inputs], inputs.dtype)
+        doubled.set_shape(inputs.shape)
+        return doubled
+
+
+def host_scaled_mlp(model_class=keras.Model, **kwargs):
+    """`testing.mlp`'s layers with a `HostScale` between them."""
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Dense(
+        8,
+        activation="relu",
+        kernel_initializer=keras.initializers.GlorotUniform(seed=1),
+    )(inputs)
+    outputs = keras.layers.Dense(
+        3, kernel_initializer=keras.initializers.GlorotUniform(seed=2)
+    )(HostScale()(hidden))
     return model_class(inputs, outputs, **kwargs)
 
 
@@ -250,6 +293,49 @@ class DifferentialPrivacyMixinTest(testing.TestCase):
         self.assertAllClose(
             history["dp_clipped_fraction"][-1], fraction, atol=1e-6
         )
+
+    @parameterized.named_parameters(*testing.EXECUTION_MODES[1:3])
+    def test_embedding_gradients_equal_the_oracle(self, mode):
+        """An Embedding's gradient (sparse on TensorFlow) is clipped and
+        averaged per example like any other."""
+        rng = np.random.RandomState(5)
+        tokens = rng.randint(0, 20, size=(4 * BATCH, 6))
+        y = rng.randint(0, 3, size=4 * BATCH)
+        model = text_model(PrivateNet, l2_norm_clip=1.1, noise_multiplier=0.0)
+        model.compile(
+            optimizer=keras.optimizers.SGD(RATE),
+            loss=testing.sparse_crossentropy(),
+            **mode,
+        )
+        model.fit(tokens, y, batch_size=BATCH, shuffle=False, verbose=0)
+        oracle = text_model()
+        fraction = oracle_training(oracle, tokens, y, None, clip=1.1)
+        self.assertBetween(fraction, 0.1, 0.9)
+        self.assertWeightsClose(model, oracle, atol=1e-5)
+
+    @pytest.mark.tensorflow  # tf.py_function has no vectorized form
+    def test_unvectorizable_model_trains_one_microbatch_at_a_time(self):
+        """A model with an op tf.vectorized_map cannot vectorize trains on
+        the loop path, equal to the oracle, and says so once."""
+        x, y = testing.classification_data(samples=4 * BATCH)
+        model = host_scaled_mlp(
+            PrivateNet, l2_norm_clip=CLIP, noise_multiplier=0.0
+        )
+        model.compile(
+            optimizer=keras.optimizers.SGD(RATE),
+            loss=testing.sparse_crossentropy(),
+        )
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+        messages = [
+            str(w.message) for w in caught if "vectorized" in str(w.message)
+        ]
+        self.assertLen(messages, 1)
+        self.assertIn("one after another", messages[0])
+        oracle = host_scaled_mlp()
+        oracle_training(oracle, x, y, None)
+        self.assertWeightsClose(model, oracle, atol=1e-5)
 
     def test_noiseless_two_devices_equal_the_oracle_of_the_global_batch(self):
         """On two devices each replica clips its own examples, and the

@@ -26,7 +26,7 @@ op) and the loop is a jitted stateless step (`jax.value_and_grad`,
 
     python benchmarks/train_step_overhead.py --memory
 
-Workloads (synthetic data made here): `mlp`, the seed MLP 784-64-64-10 at
+Workloads (synthetic data made here): `mlp`, the examples' MLP 784-64-64-10 at
 batch 64 (overhead-bound); `cnn`, a small CNN on 28x28x1 at batch 128
 (compute-bound). Baselines beside `fit`: Keras' optimizer-level
 `global_clipnorm`; Keras with the regularization configuration's penalties

@@ -8,7 +8,7 @@ these keep their state in custom_fit's state variables (on TensorFlow,
 plain `tf.Variable`s made like Keras' metric variables: `ON_READ`, summed
 across replicas) and update in at most three ops (a multiply and two
 `AssignAddVariableOp`s). Each metric costs about
-40 microseconds of CPU per step on the seed MLP, so this matters where
+40 microseconds of CPU per step on the examples' MLP, so this matters where
 steps are short (see BUILD_NOTES.md, "Measured figures").
 """
 

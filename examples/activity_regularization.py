@@ -1,7 +1,7 @@
-"""Loss components in History: the seed's activity-regularization MLP.
+"""Loss components in History: an activity-regularization MLP.
 
-The blog post's `ActivityRegularizationLayer` adds `rate * sum(inputs)` with
-`add_loss` (the post's `rate` is 1e-2; on the small digits set that much
+Its `ActivityRegularizationLayer` adds `rate * sum(inputs)` with
+`add_loss` (`rate` is commonly 1e-2; on the small digits set that much
 drives the ReLUs dead, so `--activity_rate` defaults to 1e-4); Keras folds
 it into `loss` without showing it. With
 `custom_fit.RegularizationMixin` each component is logged on its own:
@@ -27,7 +27,7 @@ import custom_fit  # noqa: E402
 _EPOCHS = flags.DEFINE_integer("epochs", 5, "Training epochs.")
 _L2 = flags.DEFINE_float("l2", 1e-4, "L2 penalty on kernels.")
 _ACTIVITY_RATE = flags.DEFINE_float(
-    "activity_rate", 1e-4, "Weight of the activity penalty (seed: 1e-2)."
+    "activity_rate", 1e-4, "Weight of the activity penalty (commonly 1e-2)."
 )
 _CONFIDENCE = flags.DEFINE_float(
     "confidence_penalty", 1e-3, "Weight of the logit-size penalty term."
@@ -35,7 +35,7 @@ _CONFIDENCE = flags.DEFINE_float(
 
 
 class ActivityRegularizationLayer(keras.layers.Layer):
-    """The seed's layer: adds an activity penalty with `add_loss`.
+    """Adds an activity penalty with `add_loss`.
 
     Args:
         rate: Float. The penalty is `rate * sum(inputs)`.

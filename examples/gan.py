@@ -1,6 +1,6 @@
 """A GAN trained with `fit`: two networks, two optimizers, one pipeline each.
 
-The seed documents' hardest case, and the usual reason to leave `fit` for a
+The hardest case for `fit`, and the usual reason to leave it for a
 hand-written loop. Here the GAN is a custom_fit model whose `train_step`
 updates each network through its own gradient pipeline, with its own
 optimizer, by calling `minimize` on it with a loss function:

@@ -14,8 +14,8 @@ across replicas) and composes with clipping and inspection.
 
 With SGD (momentum included), every update is then centralized too, so the
 weight change of each output unit sums to zero over its inputs. The program
-trains the seed MLP on the bundled digits with and without centralization
-and prints both validation accuracies and that sum.
+trains the shared MLP (examples/mlp.py) on the bundled digits with and
+without centralization and prints both validation accuracies and that sum.
 
     python examples/gradient_centralization.py --epochs=10
 """
@@ -26,8 +26,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import digits  # noqa: E402  (examples/digits.py)
 import keras  # noqa: E402
+import mlp  # noqa: E402  (examples/mlp.py)
 import numpy as np  # noqa: E402
-import seed_mlp  # noqa: E402  (examples/seed_mlp.py)
 from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
 from keras import ops  # noqa: E402
@@ -73,10 +73,10 @@ class PlainMLP(custom_fit.TrainStepMixin, keras.Model):
 
 
 def train(model_class, data, epochs, learning_rate):
-    """Trains the seed MLP; returns it, its initial weights and accuracy."""
+    """Trains the shared MLP; returns it, its initial weights and accuracy."""
     (x_train, y_train), (x_val, y_val) = data
     keras.utils.set_random_seed(0)
-    model = seed_mlp.build(model_class, x_train.shape[1])
+    model = mlp.build(model_class, x_train.shape[1])
     initial = model.get_weights()
     model.compile(
         optimizer=keras.optimizers.SGD(learning_rate, momentum=0.9),

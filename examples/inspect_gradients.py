@@ -5,7 +5,8 @@ real training step: `custom_fit.GradientInspectionMixin` records, inside
 each step and without a second pass over the data, every layer's gradient
 norm and the statistics used to diagnose training (largest |g|, share of
 exact zeros, non-finite entries, update-to-weight ratio). The program
-trains the seed MLP on scikit-learn's bundled 8x8 digits and:
+trains the shared MLP (examples/mlp.py) on scikit-learn's bundled 8x8
+digits and:
 
 - reads `model.gradient_norms` in a callback after every step, to find
   the layer with the smallest gradient (the one at risk of vanishing);
@@ -28,7 +29,7 @@ import collections  # noqa: E402
 import digits  # noqa: E402  (examples/digits.py)
 import gradient_outputs  # noqa: E402  (examples/gradient_outputs.py)
 import keras  # noqa: E402
-import seed_mlp  # noqa: E402  (examples/seed_mlp.py)
+import mlp  # noqa: E402  (examples/mlp.py)
 from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
 
@@ -44,7 +45,7 @@ _LOG_EVERY = flags.DEFINE_integer(
 
 
 class InspectedMLP(custom_fit.GradientInspectionMixin, keras.Model):
-    """The seed MLP, its gradients inspected at every step."""
+    """The shared MLP, its gradients inspected at every step."""
 
 
 class SmallestGradient(keras.callbacks.Callback):
@@ -80,7 +81,7 @@ def main(argv):
     del argv
     keras.utils.set_random_seed(0)
     (x_train, y_train), (x_val, y_val) = digits.load_digits()
-    model = seed_mlp.build(
+    model = mlp.build(
         InspectedMLP,
         x_train.shape[1],
         keep_gradients=True,  # for the histograms

@@ -85,8 +85,8 @@ def train(process, processes, label):
     import digits  # examples/digits.py
     import jax
     import keras
+    import mlp  # examples/mlp.py
     import numpy as np
-    import seed_mlp  # examples/seed_mlp.py
 
     import custom_fit
 
@@ -106,7 +106,7 @@ def train(process, processes, label):
     x, y = local_share(
         x_train, y_train, process, processes, _GLOBAL_BATCH.value
     )
-    model = seed_mlp.build(Net, x_train.shape[1], global_clipnorm=0.5)
+    model = mlp.build(Net, x_train.shape[1], global_clipnorm=0.5)
     model.compile(
         optimizer=keras.optimizers.SGD(0.1),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),

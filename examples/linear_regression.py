@@ -1,7 +1,7 @@
-"""The seed's linear regression, trained with `fit`: recovers known weights.
+"""Linear regression, trained with `fit`: recovers known weights.
 
-The blog posts start from `y = x W + b` with two tf.Variables, a mean
-squared error and a hand-written `tf.GradientTape` loop. Here the same
+`y = x W + b` is often written with two tf.Variables, a mean squared
+error and a hand-written `tf.GradientTape` loop. Here the same
 model is a subclassed Keras model with the custom_fit step, so `fit` drives
 it; `clipnorm` bounds each variable's gradient, which keeps plain SGD
 stable at a learning rate where an unlucky first step would diverge.
@@ -35,7 +35,7 @@ TRUE_BIAS = np.array([4.2], dtype="float32")
 
 
 class LinearRegression(custom_fit.GradientClippingMixin, keras.Model):
-    """`y = x W + b`, the seed's model, as a subclassed Keras model."""
+    """`y = x W + b` as a subclassed Keras model."""
 
     def __init__(self, features, **kwargs):
         super().__init__(**kwargs)

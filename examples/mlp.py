@@ -1,4 +1,4 @@
-"""The seed documents' multi-layer perceptron, shared by the examples.
+"""The multi-layer perceptron that the examples share.
 
 Dense 64 (ReLU) - Dense 64 (ReLU) - Dense 10 (logits): 784-64-64-10 on
 MNIST, 64-64-64-10 on scikit-learn's 8x8 digits.
@@ -10,7 +10,7 @@ LAYER_NAMES = ("dense_1", "dense_2", "predictions")
 
 
 def build(model_class, features, **model_kwargs):
-    """Returns the seed MLP as a functional `model_class` instance.
+    """Returns the MLP as a functional `model_class` instance.
 
     Args:
         model_class: `keras.Model` or a custom_fit model class.

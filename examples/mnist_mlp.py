@@ -1,8 +1,8 @@
-"""The seed MLP with clipping and per-layer gradients: TensorBoard, PNG, CSV.
+"""The shared MLP with clipping and per-layer gradients: TensorBoard, PNG, CSV.
 
-Trains the blog posts' MLP (Dense 64 - Dense 64 - 10) on scikit-learn's
-bundled 8x8 digits (`--dataset=mnist`: 784-64-64-10 on MNIST, downloaded
-once) with `custom_fit.GradientClippingMixin` and
+Trains the MLP of examples/mlp.py (Dense 64 - Dense 64 - 10) on
+scikit-learn's bundled 8x8 digits (`--dataset=mnist`: 784-64-64-10 on
+MNIST, downloaded once) with `custom_fit.GradientClippingMixin` and
 `custom_fit.GradientInspectionMixin`, and writes what it recorded inside
 each training step (no second pass over the data):
 
@@ -23,7 +23,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import digits  # noqa: E402  (examples/digits.py)
 import gradient_outputs  # noqa: E402  (examples/gradient_outputs.py)
 import keras  # noqa: E402
-import seed_mlp  # noqa: E402  (examples/seed_mlp.py)
+import mlp  # noqa: E402  (examples/mlp.py)
 from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
 
@@ -46,7 +46,7 @@ class InspectedMLP(
     custom_fit.GradientInspectionMixin,
     keras.Model,
 ):
-    """The seed MLP, clipped, with its gradients inspected."""
+    """The shared MLP, clipped, with its gradients inspected."""
 
 
 class PrintNorms(keras.callbacks.Callback):
@@ -66,7 +66,7 @@ def main(argv):
     del argv
     keras.utils.set_random_seed(0)
     (x_train, y_train), (x_val, y_val) = digits.load_dataset(_DATASET.value)
-    model = seed_mlp.build(
+    model = mlp.build(
         InspectedMLP,
         x_train.shape[1],
         global_clipnorm=1.0,

@@ -1,9 +1,9 @@
 """Multi-worker training with MultiWorkerMirroredStrategy and the mixins.
 
 One command starts local workers on 127.0.0.1 (free ports, picked at run
-time) and trains the seed MLP on scikit-learn's digits with clipping of the
-global gradient norm and per-layer inspection; the results equal a
-single-process run with the same global batch:
+time) and trains the shared MLP (examples/mlp.py) on scikit-learn's digits
+with clipping of the global gradient norm and per-layer inspection; the
+results equal a single-process run with the same global batch:
 
     python examples/multi_worker.py --workers=2
 
@@ -67,8 +67,8 @@ def train(strategy, task_index, label):
     """
     import digits  # examples/digits.py
     import keras
+    import mlp  # examples/mlp.py
     import numpy as np
-    import seed_mlp  # examples/seed_mlp.py
     import tensorflow as tf
 
     import custom_fit
@@ -78,7 +78,7 @@ def train(strategy, task_index, label):
         custom_fit.GradientInspectionMixin,
         keras.Model,
     ):
-        """The seed MLP with global-norm clipping and inspection."""
+        """The shared MLP with global-norm clipping and inspection."""
 
     keras.utils.set_random_seed(0)
     (x_train, y_train), (x_val, y_val) = digits.load_digits(0)
@@ -93,7 +93,7 @@ def train(strategy, task_index, label):
     )
     data = data.with_options(options)
     with strategy.scope():
-        model = seed_mlp.build(Net, x_train.shape[1], global_clipnorm=0.5)
+        model = mlp.build(Net, x_train.shape[1], global_clipnorm=0.5)
         model.compile(
             optimizer=keras.optimizers.SGD(0.1),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),

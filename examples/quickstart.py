@@ -1,7 +1,7 @@
-"""Quickstart: the seed MLP on scikit-learn's digits, with clipping.
+"""Quickstart: the shared MLP on scikit-learn's digits, with clipping.
 
-Trains the blog posts' multi-layer perceptron (Dense 64 - Dense 64 - 10
-logits) with `model.fit`, clipping the global gradient norm through
+Trains the multi-layer perceptron of examples/mlp.py (Dense 64 - Dense 64 -
+10 logits) with `model.fit`, clipping the global gradient norm through
 `custom_fit.GradientClippingMixin`, on the 8x8 digits that ship with
 scikit-learn (no download). Prints the validation accuracy.
 
@@ -14,7 +14,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import digits  # noqa: E402  (examples/digits.py)
 import keras  # noqa: E402
-import seed_mlp  # noqa: E402  (examples/seed_mlp.py)
+import mlp  # noqa: E402  (examples/mlp.py)
 from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
 
@@ -38,7 +38,7 @@ def main(argv):
     del argv
     keras.utils.set_random_seed(_SEED.value)
     (x_train, y_train), (x_val, y_val) = digits.load_digits(_SEED.value)
-    model = seed_mlp.build(
+    model = mlp.build(
         ClippedMLP, x_train.shape[1], global_clipnorm=_GLOBAL_CLIPNORM.value
     )
     model.compile(

@@ -13,11 +13,11 @@ in a compiled (XLA) step, and the value in force is logged:
   `--clipnorm_start` to `--clipnorm_end` over `--warmup_epochs` epochs,
   then stays; logged as `global_clipnorm`.
 
-The seed MLP trains on scikit-learn's bundled 8x8 digits. After each
-epoch the program prints the logged values (those of the epoch's last
-step), with the epoch's mean gradient norm before and after clipping
-(`custom_fit.GradientInspectionMixin`) and the share of steps in which
-clipping bit; then the validation accuracy.
+The shared MLP (examples/mlp.py) trains on scikit-learn's bundled 8x8
+digits. After each epoch the program prints the logged values (those of the
+epoch's last step), with the epoch's mean gradient norm before and after
+clipping (`custom_fit.GradientInspectionMixin`) and the share of steps in
+which clipping bit; then the validation accuracy.
 
     python examples/scheduled_options.py --epochs=10
 """
@@ -29,7 +29,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import digits  # noqa: E402  (examples/digits.py)
 import keras  # noqa: E402
-import seed_mlp  # noqa: E402  (examples/seed_mlp.py)
+import mlp  # noqa: E402  (examples/mlp.py)
 from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
 from keras import ops  # noqa: E402
@@ -93,7 +93,7 @@ class ScheduledMLP(
     custom_fit.GradientInspectionMixin,
     keras.Model,
 ):
-    """The seed MLP with L2 regularization, clipping and inspection."""
+    """The shared MLP with L2 regularization, clipping and inspection."""
 
 
 class PrintScheduled(keras.callbacks.Callback):
@@ -128,7 +128,7 @@ def main(argv):
         _CLIPNORM_END.value,
         _WARMUP_EPOCHS.value * steps_per_epoch,
     )
-    model = seed_mlp.build(
+    model = mlp.build(
         ScheduledMLP, x_train.shape[1], l2=l2, global_clipnorm=global_clipnorm
     )
     model.compile(

@@ -32,7 +32,7 @@ class StepCounterTerm(Net):
 
 
 class ActivityPenalty(keras.layers.Layer):
-    """The seed's activity-regularization layer."""
+    """An activity-regularization layer."""
 
     def call(self, inputs):
         self.add_loss(1e-2 * keras.ops.sum(keras.ops.abs(inputs)))

@@ -107,7 +107,7 @@ class Batches(keras.utils.PyDataset):
 
 
 class ActivityPenalty(keras.layers.Layer):
-    """The seed's activity-regularization layer: adds a loss in `call`."""
+    """An activity-regularization layer: adds a loss in `call`."""
 
     def call(self, inputs):
         self.add_loss(1e-2 * keras.ops.sum(keras.ops.abs(inputs)))

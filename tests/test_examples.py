@@ -269,6 +269,31 @@ class TestExamples:
         assert "--dataset=digits" in result.stderr
         assert "Traceback" not in result.stderr
 
+    @BACKENDS
+    def test_private_training_learns_and_spends_dp_accountings_epsilon(
+        self, backend
+    ):
+        """DP-SGD learns digits well above chance in three epochs, and the
+        epsilon printed is dp-accounting's for the steps it made."""
+        import dp_accounting
+        from dp_accounting import rdp
+
+        output = output_of("private_training", backend, "--epochs=3")
+        examples = int(printed(output, "training examples"))
+        steps = int(printed(output, "steps"))
+        assert steps == 3 * examples // 64, output
+        ledger = rdp.RdpAccountant()
+        ledger.compose(
+            dp_accounting.PoissonSampledDpEvent(
+                64 / examples, dp_accounting.GaussianDpEvent(1.1)
+            ),
+            steps,
+        )
+        np.testing.assert_allclose(
+            printed(output, "epsilon"), ledger.get_epsilon(1e-5), rtol=1e-5
+        )
+        assert validation_accuracy(output) > 0.5, output
+
     def test_every_example_program_is_run(self):
         """Each program in examples/ is run by a test of this class (named
         after it), or by another test file that names it; those that need

@@ -25,7 +25,7 @@ class BenchmarkSmokeTest(testing.TestCase):
                 "--steps=2",
                 "--steps_per_execution=1",
                 "--jit_compile=true",
-                f"--configurations=keras,stacked,{loop}",
+                f"--configurations=keras,stacked,private,{loop}",
                 "--memory",
             ],
             capture_output=True,
@@ -40,7 +40,9 @@ class BenchmarkSmokeTest(testing.TestCase):
             for line in setting.splitlines()
             if line.startswith("| ") and "configuration" not in line
         ]
-        self.assertEqual([row[1] for row in rows], ["keras", "stacked", loop])
+        self.assertEqual(
+            [row[1] for row in rows], ["keras", "stacked", "private", loop]
+        )
         self.assertEqual(rows[0][3], "1.00")  # keras against itself
         self.assertGreater(float(rows[1][6]), 100)  # peak memory in MB
         # The summary puts the stacked configuration next to its target.

@@ -21,9 +21,9 @@ epsilon = custom_fit.privacy.epsilon(
 from collections.abc import Sequence
 from typing import Any
 
-import keras
 from keras import ops
 
+from custom_fit import backend
 from custom_fit._types import Tensor
 
 ACCOUNTANTS = ("rdp", "pld")
@@ -72,22 +72,20 @@ def clip_and_sum(
 
 
 def add_noise(
-    gradients: Sequence[Tensor], stddev: Any, seed: Any
+    gradients: Sequence[Tensor], stddev: Any, seeds: Any
 ) -> list[Tensor]:
     """Adds independent Gaussian noise of standard deviation `stddev`.
 
     Args:
         gradients: List of tensors.
         stddev: Float or scalar tensor, the noise's standard deviation.
-        seed: A `keras.random.SeedGenerator` (or an integer seed).
+        seeds: A `keras.random.SeedGenerator`, advanced once per tensor.
 
     Returns:
         The list of noisy tensors.
     """
-    return [
-        g + stddev * keras.random.normal(ops.shape(g), dtype=g.dtype, seed=seed)
-        for g in gradients
-    ]
+    draw = backend.current().normal
+    return [g + stddev * draw(ops.shape(g), g.dtype, seeds) for g in gradients]
 
 
 def epsilon(

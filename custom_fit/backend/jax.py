@@ -190,6 +190,14 @@ def values_and_grads(
     return losses, aux, gradients
 
 
+def normal(shape: Sequence[int], dtype: str, seeds: Any) -> Any:
+    """Returns standard normal draws of `shape`, seeded from `seeds`.
+
+    `seeds` is a `keras.random.SeedGenerator`, advanced by one draw.
+    """
+    return keras.random.normal(shape, dtype=dtype, seed=seeds)
+
+
 def per_example_gradients(
     function: Callable[..., Any], variables: Sequence[Any], inputs: tuple
 ) -> tuple[list[Any], bool]:

@@ -76,6 +76,27 @@ def values_and_grads(
     return values, aux, gradients
 
 
+def normal(shape: Sequence[int], dtype: str, seeds: Any) -> Any:
+    """Returns standard normal draws of `shape`, seeded from `seeds`.
+
+    Draws with the Philox algorithm, named: for a stateless draw under XLA
+    on CPU, TensorFlow's automatic choice (which Keras' `random.normal`
+    takes) measured 24 ms for 50,000 numbers here, Philox 1 ms.
+
+    Args:
+        shape: The shape of the draw.
+        dtype: A floating-point dtype.
+        seeds: A `keras.random.SeedGenerator`; advanced by one draw.
+
+    Returns:
+        A tensor.
+    """
+    seed = tf.cast(seeds.next(), "int64")
+    return tf.random.stateless_normal(
+        shape, seed=seed, dtype=dtype, alg="philox"
+    )
+
+
 def per_example_gradients(
     function: Callable[..., Any], variables: Sequence[Any], inputs: tuple
 ) -> tuple[list[Any], bool]:

@@ -66,8 +66,9 @@ def clip_and_sum(
     factors = ops.minimum(1.0, l2_norm_clip / ops.maximum(norms, 1e-30))
     # The factor-weighted sum over the microbatches as a contraction, not
     # a product then a sum: XLA then fuses each variable's per-example
-    # gradients into one matrix product (JAX MLP step, 64 examples: 34 ms
-    # with the product and sum, 5 ms with the contraction).
+    # gradients into one matrix product (a private step of the examples'
+    # MLP on JAX, batch 64: 32 ms of CPU with the product and the sum,
+    # 7.6 ms with the contraction).
     sums = [ops.tensordot(factors, g, axes=1) for g in gradients]
     return sums, norms
 

@@ -21,13 +21,34 @@ from custom_fit._types import Variable
 from custom_fit.train_step_mixin import TrainStepMixin
 
 
+def _clip(name: str, value: Any) -> float | None:
+    """Validates `l2_norm_clip`: a finite float > 0 (`None`: not given)."""
+    if value is None:
+        return None
+    try:
+        return _validation.positive_float_or_none(name, value)
+    except ValueError:
+        raise ValueError(
+            f"`{name}` must be a finite float greater than 0. Received: "
+            f"{name}={_validation.shown(value)}. Pass for example "
+            f"{name}=1.0."
+        ) from None
+
+
 def _noise(name: str, value: Any) -> float | None:
     """Validates `noise_multiplier`: a finite float >= 0 (0: no noise)."""
     if value is None:
         return None
     if value == 0 and not isinstance(value, bool):
         return 0.0
-    return _validation.positive_float_or_none(name, value)
+    try:
+        return _validation.positive_float_or_none(name, value)
+    except ValueError:
+        raise ValueError(
+            f"`{name}` must be a finite float >= 0 (0 adds no noise, and "
+            f"so gives no privacy). Received: {name}="
+            f"{_validation.shown(value)}. Pass for example {name}=1.1."
+        ) from None
 
 
 def _seed(name: str, value: Any) -> int | None:
@@ -102,9 +123,7 @@ class DifferentialPrivacyMixin(TrainStepMixin):
 
     reports = ("dp_clipped_fraction",)
 
-    l2_norm_clip = _options.Option(
-        None, _validation.positive_float_or_none, bound=True
-    )
+    l2_norm_clip = _options.Option(None, _clip, bound=True)
     noise_multiplier = _options.Option(None, _noise)
     num_microbatches = _options.Option(None, _validation.positive_int_or_none)
     noise_seed = _options.Option(None, _seed)
@@ -174,6 +193,17 @@ class DifferentialPrivacyMixin(TrainStepMixin):
             if tensor is None:
                 return None
             tensor = ops.convert_to_tensor(tensor)
+            if microbatches is not None and tensor.shape[0] is None:
+                tensor = backend.current().divisible_first_axis(
+                    tensor,
+                    microbatches,
+                    "`num_microbatches` must divide the batch size. "
+                    f"Received: num_microbatches={microbatches} and a batch "
+                    "of the dataset whose size it does not divide (often "
+                    "the last, shorter batch). Batch the dataset with "
+                    "drop_remainder=True and a batch size that "
+                    "num_microbatches divides.",
+                )
             return ops.reshape(tensor, lead + tuple(tensor.shape[1:]))
 
         inputs: tuple = (
@@ -233,8 +263,8 @@ class DifferentialPrivacyMixin(TrainStepMixin):
         """Returns the number of microbatches; `None`: one per example.
 
         A `num_microbatches` that does not divide a batch of known size is
-        refused here; with a batch size known only at run time (a dataset
-        on TensorFlow), the split itself fails on such a batch.
+        refused here; a batch whose size is known only at run time (a
+        dataset on TensorFlow) is checked by `split` when it arrives.
         """
         if self.num_microbatches is None:
             return None

@@ -482,6 +482,28 @@ class RefusalTest(testing.TestCase):
         ):
             model.fit(x, y, batch_size=BATCH, verbose=0)
 
+    @pytest.mark.tensorflow  # a dataset's batch size is known at run time
+    def test_dataset_batch_not_divisible_fails_naming_num_microbatches(self):
+        """Without XLA, the step fails with the option's name (under XLA,
+        TensorFlow drops assertions: the split's own error remains)."""
+        import tensorflow as tf
+
+        x, y = testing.classification_data(samples=BATCH)
+        model = testing.mlp(
+            PrivateNet,
+            l2_norm_clip=1.0,
+            noise_multiplier=1.0,
+            num_microbatches=3,
+        )
+        model.compile(
+            optimizer="sgd",
+            loss=testing.sparse_crossentropy(),
+            jit_compile=False,
+        )
+        dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
+        with self.assertRaisesRegex(Exception, "num_microbatches=3"):
+            model.fit(dataset, shuffle=False, verbose=0)
+
     def test_batch_normalization_is_refused_naming_the_layer(self):
         """BatchNormalization, even inside a nested model, is refused."""
         inner_inputs = keras.Input((4,))

@@ -198,6 +198,17 @@ def normal(shape: Sequence[int], dtype: str, seeds: Any) -> Any:
     return keras.random.normal(shape, dtype=dtype, seed=seeds)
 
 
+def divisible_first_axis(tensor: Any, count: int, message: str) -> Any:
+    """Returns `tensor`, checking that `count` divides its first axis.
+
+    Shapes are static under `jax.jit`: a `ValueError(message)` is raised
+    at trace time.
+    """
+    if tensor.shape[0] % count:
+        raise ValueError(message)
+    return tensor
+
+
 def per_example_gradients(
     function: Callable[..., Any], variables: Sequence[Any], inputs: tuple
 ) -> tuple[list[Any], bool]:

@@ -97,6 +97,21 @@ def normal(shape: Sequence[int], dtype: str, seeds: Any) -> Any:
     )
 
 
+def divisible_first_axis(tensor: Any, count: int, message: str) -> Any:
+    """Returns `tensor`, checking that `count` divides its first axis.
+
+    The first axis is known only at run time (a dataset's batch); the step
+    fails with `message` if it is no multiple of `count`. The returned
+    tensor depends on the check, so that an op using it (the split into
+    microbatches) cannot fail first with its own message. Under XLA
+    TensorFlow drops the check, and the split's error remains.
+    """
+    size = tf.shape(tensor)[0]
+    check = tf.debugging.assert_equal(size % count, 0, message=message)
+    with tf.control_dependencies([check]):
+        return tf.identity(tensor)
+
+
 def per_example_gradients(
     function: Callable[..., Any], variables: Sequence[Any], inputs: tuple
 ) -> tuple[list[Any], bool]:

@@ -174,6 +174,27 @@ def positive_int(name: str, value: Any, alternative: str = "") -> int:
     return int(value)
 
 
+def seed_or_none(name: str, value: Any) -> int | None:
+    """Returns a random seed after checking it: an integer >= 0, or `None`.
+
+    Args:
+        name: String. The argument's name, used in the error message.
+        value: The value received.
+
+    Returns:
+        `None`, or `value` as a Python int.
+
+    Raises:
+        ValueError: If `value` is not `None` and not an integer from 0 to
+            `MAX_INT`.
+    """
+    if value is None:
+        return None
+    if value == 0 and not isinstance(value, (bool, np.bool_)):
+        return 0
+    return positive_int(name, value, "or 0, or None")
+
+
 def boolean(name: str, value: Any) -> bool:
     """Returns `value` after checking that it is a bool.
 

@@ -17,15 +17,6 @@ from custom_fit._types import Variable
 from custom_fit.train_step_mixin import TrainStepMixin
 
 
-def _seed(name: str, value: Any) -> int | None:
-    """Validates the seed of the task order: an integer >= 0, or None."""
-    if value is None:
-        return None
-    if value == 0 and not isinstance(value, bool):
-        return 0
-    return _validation.positive_int(name, value, "or 0, or None")
-
-
 class PCGradMixin(TrainStepMixin):
     """Projects conflicting task gradients (PCGrad, Yu et al. 2020).
 
@@ -73,7 +64,7 @@ class PCGradMixin(TrainStepMixin):
     per_loss_gradients = _options.Option(
         "outputs", _validation.one_of(("outputs", "outputs_and_penalties"))
     )
-    pcgrad_seed = _options.Option(None, _seed)
+    pcgrad_seed = _options.Option(None, _validation.seed_or_none)
 
     def _configure_options(self, options: dict[str, Any]) -> None:
         """Makes the generator of the task order, part of the model state."""

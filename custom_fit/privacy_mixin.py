@@ -21,43 +21,35 @@ from custom_fit._types import Variable
 from custom_fit.train_step_mixin import TrainStepMixin
 
 
-def _clip(name: str, value: Any) -> float | None:
-    """Validates `l2_norm_clip`: a finite float > 0 (`None`: not given)."""
+def _number(name: str, value: Any, zero_allowed: bool) -> float | None:
+    """Validates a required float option (`None`: not given)."""
     if value is None:
         return None
-    try:
-        return _validation.positive_float_or_none(name, value)
-    except ValueError:
-        raise ValueError(
-            f"`{name}` must be a finite float greater than 0. Received: "
-            f"{name}={_validation.shown(value)}. Pass for example "
-            f"{name}=1.0."
-        ) from None
-
-
-def _noise(name: str, value: Any) -> float | None:
-    """Validates `noise_multiplier`: a finite float >= 0 (0: no noise)."""
-    if value is None:
-        return None
-    if value == 0 and not isinstance(value, bool):
+    if zero_allowed and value == 0 and not isinstance(value, bool):
         return 0.0
     try:
         return _validation.positive_float_or_none(name, value)
     except ValueError:
+        bound = (
+            ">= 0 (0 adds no noise, and so gives no privacy)"
+            if zero_allowed
+            else "greater than 0"
+        )
         raise ValueError(
-            f"`{name}` must be a finite float >= 0 (0 adds no noise, and "
-            f"so gives no privacy). Received: {name}="
-            f"{_validation.shown(value)}. Pass for example {name}=1.1."
+            f"`{name}` must be a finite float {bound}. Received: "
+            f"{name}={_validation.shown(value)}. Pass for example "
+            f"{name}={1.1 if zero_allowed else 1.0}."
         ) from None
 
 
-def _seed(name: str, value: Any) -> int | None:
-    """Validates a seed: an integer >= 0, or None."""
-    if value is None:
-        return None
-    if value == 0 and not isinstance(value, bool):
-        return 0
-    return _validation.positive_int(name, value, "or 0, or None")
+def _clip(name: str, value: Any) -> float | None:
+    """Validates `l2_norm_clip`: a finite float > 0."""
+    return _number(name, value, zero_allowed=False)
+
+
+def _noise(name: str, value: Any) -> float | None:
+    """Validates `noise_multiplier`: a finite float >= 0 (0: no noise)."""
+    return _number(name, value, zero_allowed=True)
 
 
 class DifferentialPrivacyMixin(TrainStepMixin):
@@ -126,7 +118,7 @@ class DifferentialPrivacyMixin(TrainStepMixin):
     l2_norm_clip = _options.Option(None, _clip, bound=True)
     noise_multiplier = _options.Option(None, _noise)
     num_microbatches = _options.Option(None, _validation.positive_int_or_none)
-    noise_seed = _options.Option(None, _seed)
+    noise_seed = _options.Option(None, _validation.seed_or_none)
 
     def _configure_options(self, options: dict[str, Any]) -> None:
         """Checks the required options; makes the noise's generator."""

@@ -43,20 +43,6 @@ def max_difference(model_a, model_b):
     return testing.max_difference(model_a.get_weights(), model_b.get_weights())
 
 
-@contextlib.contextmanager
-def data_parallel():
-    """Sets DataParallel over both host devices; unsets it on exit."""
-    import jax
-
-    keras.distribution.set_distribution(
-        keras.distribution.DataParallel(devices=jax.devices())
-    )
-    try:
-        yield
-    finally:
-        keras.distribution.set_distribution(None)
-
-
 def train_on(distribution, model_class, optimizer_kwargs, x, y, **model_kwargs):
     """Builds, compiles and trains the test MLP inside `distribution()`
     (`data_parallel` or `contextlib.nullcontext`), as `train` does."""
@@ -197,7 +183,7 @@ class DataParallelClippingTest(DataParallelTestCase):
             contextlib.nullcontext, Net, {}, x, y, global_clipnorm=0.1
         )
         two, two_history = train_on(
-            data_parallel, Net, {}, x, y, global_clipnorm=0.1
+            testing.data_parallel, Net, {}, x, y, global_clipnorm=0.1
         )
         self.assertWeightsClose(two, single, atol=1e-6)
         self.assertLogsClose(two_history, single_history)
@@ -212,7 +198,9 @@ class DataParallelClippingTest(DataParallelTestCase):
         single, single_history = train_on(
             contextlib.nullcontext, Net, {}, x, y, **options
         )
-        two, two_history = train_on(data_parallel, Net, {}, x, y, **options)
+        two, two_history = train_on(
+            testing.data_parallel, Net, {}, x, y, **options
+        )
         self.assertWeightsClose(two, single, atol=1e-6)
         self.assertLogsClose(two_history, single_history)
 
@@ -229,7 +217,7 @@ class DataParallelClippingTest(DataParallelTestCase):
         )
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            two, _ = train_on(data_parallel, Plain, clipping, x, y)
+            two, _ = train_on(testing.data_parallel, Plain, clipping, x, y)
         messages = [str(w.message) for w in caught]
         self.assertFalse(
             [m for m in messages if "each replica's share" in m], messages
@@ -245,7 +233,7 @@ class DataParallelSkipNonfiniteTest(DataParallelTestCase):
         """A NaN in the second device's shard skips the step on both."""
         x, y = testing.classification_data(samples=16)
         x[-1, 0] = np.nan  # in the second half: the second device's shard
-        with data_parallel():
+        with testing.data_parallel():
             model = testing.mlp(Net, skip_nonfinite=True)
             model.compile(
                 optimizer=keras.optimizers.Adam(0.1),
@@ -273,7 +261,7 @@ class DataParallelSkipNonfiniteTest(DataParallelTestCase):
         keep = np.ones(len(x), bool)
         keep[16:32] = False
         model, history = train_on(
-            data_parallel,
+            testing.data_parallel,
             Net,
             {},
             x,

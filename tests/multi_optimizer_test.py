@@ -1,7 +1,6 @@
 """MultiOptimizer against two real Keras optimizers run by hand on the
 numpy-clipped true gradients (the oracle)."""
 
-import contextlib
 import os
 import tempfile
 import unittest
@@ -325,23 +324,10 @@ class DataParallelMultiOptimizerTest(testing.TestCase):
         keras.distribution.set_distribution(None)
         super().tearDown()
 
-    @contextlib.contextmanager
-    def data_parallel(self):
-        import jax
-
-        self.assertLen(jax.devices(), 2)
-        keras.distribution.set_distribution(
-            keras.distribution.DataParallel(devices=jax.devices())
-        )
-        try:
-            yield
-        finally:
-            keras.distribution.set_distribution(None)
-
     def test_two_devices_equal_one_device(self):
         """DataParallel over two devices equals one device."""
         x, y = testing.classification_data()
-        with self.data_parallel():
+        with testing.data_parallel():
             model = compiled(testing.mlp(Net, global_clipnorm=CLIPNORM))
             two = fit(model, x, y)
         single = compiled(testing.mlp(Net, global_clipnorm=CLIPNORM))

@@ -1,7 +1,6 @@
 """Per-loss gradients and PCGrad against plain Keras and a NumPy
 implementation of the paper's algorithm (Yu et al. 2020)."""
 
-import contextlib
 import itertools
 
 import keras
@@ -152,25 +151,6 @@ def batches(x, y, batch_size=BATCH):
             x[start : start + batch_size],
             {k: v[start : start + batch_size] for k, v in y.items()},
         )
-
-
-@contextlib.contextmanager
-def two_devices():
-    """Trains on two devices: MirroredStrategy's scope on TensorFlow,
-    DataParallel over both host devices on JAX."""
-    if keras.backend.backend() == "tensorflow":
-        with testing.mirrored_strategy().scope():
-            yield
-        return
-    import jax
-
-    keras.distribution.set_distribution(
-        keras.distribution.DataParallel(devices=jax.devices())
-    )
-    try:
-        yield
-    finally:
-        keras.distribution.set_distribution(None)
 
 
 class TaskOrders(keras.callbacks.Callback):
@@ -325,7 +305,7 @@ class PCGradTest(testing.TestCase):
         gradients."""
         x, y = multi_task_data()
         orders = TaskOrders()
-        with two_devices():
+        with testing.two_devices():
             model = compiled(multi_task_model(PCGradNet, pcgrad_seed=5))
             fit(model, x, y, epochs=2, callbacks=[orders])
         self.assertGreater(len({tuple(o) for o in orders.orders}), 1)

@@ -185,25 +185,6 @@ def noise_of_each_step(model, steps, batch_size):
     return -(kernels[1:] - kernels[:-1]).reshape(steps, -1) * batch_size
 
 
-@contextlib.contextmanager
-def two_devices():
-    """MirroredStrategy's scope on TensorFlow, DataParallel over both host
-    devices on JAX."""
-    if keras.backend.backend() == "tensorflow":
-        with testing.mirrored_strategy().scope():
-            yield
-        return
-    import jax
-
-    keras.distribution.set_distribution(
-        keras.distribution.DataParallel(devices=jax.devices())
-    )
-    try:
-        yield
-    finally:
-        keras.distribution.set_distribution(None)
-
-
 def dp_accounting_epsilon(steps, q, noise, delta, accountant="rdp"):
     """The epsilon of `steps` Poisson-sampled Gaussian steps, asked of
     dp-accounting directly."""
@@ -341,7 +322,7 @@ class DifferentialPrivacyMixinTest(testing.TestCase):
         """On two devices each replica clips its own examples, and the
         update is the mean over the microbatches of the global batch."""
         x, y = testing.classification_data(samples=4 * BATCH)
-        with two_devices():
+        with testing.two_devices():
             model = testing.mlp(
                 PrivateNet, l2_norm_clip=CLIP, noise_multiplier=0.0
             )
@@ -367,7 +348,9 @@ class DifferentialPrivacyMixinTest(testing.TestCase):
         for the global batch (not once per replica), drawn anew each step:
         consecutive steps' noise is uncorrelated."""
         noise_multiplier, clip = 1.3, 0.7
-        context = two_devices() if distributed else contextlib.nullcontext()
+        context = (
+            testing.two_devices() if distributed else contextlib.nullcontext()
+        )
         with context:
             model = zero_gradient_model(
                 PrivateNet,

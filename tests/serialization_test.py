@@ -100,9 +100,9 @@ BUILDERS = {
 OTHER_BACKEND = "jax" if testing.BACKEND == "tensorflow" else "tensorflow"
 REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# A program of the other backend's user: the same classes registered under
-# the same names, the same builders, options and data. `directory` is its
-# first argument.
+# A program of the other backend's user: this module's classes (registered
+# under the same names), builders, options and data, imported there.
+# `directory` is its first argument.
 OTHER_PROCESS_PRELUDE = textwrap.dedent(
     """
     import os
@@ -111,72 +111,14 @@ OTHER_PROCESS_PRELUDE = textwrap.dedent(
     import keras
     import numpy as np
 
-    import custom_fit
-    from tests import testing
+    from tests.serialization_test import BUILDERS
+    from tests.serialization_test import OPTIONS
+    from tests.serialization_test import compile_and_fit
+    from tests.serialization_test import data_with_nan
 
     assert keras.backend.backend() == BACKEND, keras.backend.backend()
     directory = sys.argv[1]
-
-
-    @keras.saving.register_keras_serializable(package="custom_fit_tests")
-    class FunctionalNet(custom_fit.GradientClippingMixin, keras.Model):
-        pass
-
-
-    @keras.saving.register_keras_serializable(package="custom_fit_tests")
-    class SequentialNet(custom_fit.GradientClippingMixin, keras.Sequential):
-        pass
-
-
-    @keras.saving.register_keras_serializable(package="custom_fit_tests")
-    class SubclassedNet(custom_fit.GradientClippingMixin, keras.Model):
-        def __init__(self, units=8, **kwargs):
-            super().__init__(**kwargs)
-            self.units = units
-            self.hidden = keras.layers.Dense(
-                units, activation="relu", name="hidden"
-            )
-            self.out = keras.layers.Dense(3, name="output")
-
-        def call(self, x):
-            return self.out(self.hidden(x))
-
-        def get_config(self):
-            config = super().get_config()
-            config.update({"units": self.units})
-            return config
-
-
-    def subclassed():
-        model = SubclassedNet(units=8, **OPTIONS)
-        model(np.zeros((1, 4), "float32"))
-        return model
-
-
-    BUILDERS = {
-        "functional": lambda: testing.mlp(FunctionalNet, **OPTIONS),
-        "sequential": lambda: SequentialNet(
-            [
-                keras.Input((4,)),
-                keras.layers.Dense(8, activation="relu", name="hidden"),
-                keras.layers.Dense(3, name="output"),
-            ],
-            **OPTIONS,
-        ),
-        "subclassed": subclassed,
-    }
-
-
-    def compile_and_fit(model, x, y):
-        model.compile(
-            optimizer=keras.optimizers.SGD(0.5),
-            loss=testing.sparse_crossentropy(),
-        )
-        return model.fit(x, y, batch_size=16, verbose=0, shuffle=False).history
-
-
-    x, y = testing.classification_data()
-    x[20, 0] = np.nan
+    x, y = data_with_nan()
     """
 )
 
@@ -221,11 +163,7 @@ print("checked", *BUILDERS)
 def run_in_other_backend(code, directory):
     """Runs `code` after the prelude in a new process of the other backend;
     returns its standard output."""
-    program = (
-        f"BACKEND = {OTHER_BACKEND!r}\nOPTIONS = {OPTIONS!r}\n"
-        + OTHER_PROCESS_PRELUDE
-        + code
-    )
+    program = f"BACKEND = {OTHER_BACKEND!r}\n" + OTHER_PROCESS_PRELUDE + code
     result = subprocess.run(
         [sys.executable, "-c", program, directory],
         env={**os.environ, "KERAS_BACKEND": OTHER_BACKEND},

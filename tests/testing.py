@@ -1,5 +1,6 @@
 """Shared test helpers: a Keras-like TestCase, tiny models and data."""
 
+import contextlib
 import functools
 import importlib
 import os
@@ -65,6 +66,34 @@ def mirrored_strategy():
     import tensorflow as tf
 
     return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+
+
+@contextlib.contextmanager
+def data_parallel():
+    """Trains under DataParallel over both host devices (JAX); unset on
+    exit."""
+    import jax
+
+    assert len(jax.devices()) == 2, jax.devices()
+    keras.distribution.set_distribution(
+        keras.distribution.DataParallel(devices=jax.devices())
+    )
+    try:
+        yield
+    finally:
+        keras.distribution.set_distribution(None)
+
+
+@contextlib.contextmanager
+def two_devices():
+    """Trains on two devices: MirroredStrategy's scope on TensorFlow,
+    `data_parallel` on JAX."""
+    if BACKEND == "tensorflow":
+        with mirrored_strategy().scope():
+            yield
+        return
+    with data_parallel():
+        yield
 
 
 def _is_list_of_arrays(value):

@@ -154,6 +154,11 @@ class NonFiniteGuard:
             new_count = ops.where(count > limit, count, new_count)
         self.counter.assign(new_count)
 
+    def restart(self) -> None:
+        """Starts a new count of consecutive skipped steps (each `fit`)."""
+        if self.counter is not None:
+            self.counter.assign(ops.zeros((), "int32"))
+
     def check_limit(self, fitted: Any, nested: bool) -> None:
         """Raises `RuntimeError` when the consecutive-skip limit is passed.
 
@@ -170,7 +175,6 @@ class NonFiniteGuard:
             return
         # Training stops here: on JAX the variables get the latest state.
         backend.current().write_latest(fitted)
-        self.counter.assign(ops.zeros((), "int32"))
         where = f" of the network {self._model.name!r}" if nested else ""
         raise RuntimeError(
             f"{count} consecutive training steps{where} had non-finite "

@@ -4,10 +4,8 @@ The mixins keep figures between steps (inspection state, gradient sums of
 accumulation, the consecutive-skip counter). They are made by the backend
 adapter: plain `ON_READ` `tf.Variable`s on TensorFlow (each replica writes
 its own copy), Keras variables on JAX. On JAX, everything a step changes
-must travel in the step's state; Keras carries the variables of the
-model's metrics there, so each model lists its state in one
-`StateHolder`, a metric that logs nothing and that `reset_metrics()`
-leaves alone.
+must travel in the step's state: the JAX adapter carries custom_fit's
+state beside Keras' own, and each model lists it in one `StateHolder`.
 """
 
 from collections.abc import Sequence
@@ -37,29 +35,34 @@ def state_variable(
     return backend.current().state_variable(tuple(shape), dtype, name, summed)
 
 
-class StateHolder(keras.metrics.Metric):
-    """Lists a model's custom_fit state so that it travels with the step.
+class StateHolder:
+    """Lists a model's custom_fit state, for backends whose step is pure.
 
-    It is one of the model's metrics (so Keras carries its variables in the
-    state of a JAX step and writes them back), but it reports nothing and
-    is not reset between epochs. Optimizers that update networks of the
-    model through `minimize` are listed here too: their variables are part
-    of the step's state as well.
+    On JAX everything a step changes must travel in the step's state; the
+    JAX adapter carries these variables beside Keras' own state (not among
+    the model's metrics, so `model.metrics` is Keras'). Optimizers that
+    update networks of the model through `minimize` are listed too: their
+    variables are part of the step's state as well.
+
+    Attributes:
+        version: Integer, moved on by every change of the list.
     """
 
     def __init__(self) -> None:
-        super().__init__(name="custom_fit_state")
         self._state: list[Variable] = []
         self._optimizers: list[keras.optimizers.Optimizer] = []
+        self.version = 0
 
     def track(self, variable: Variable) -> None:
         """Adds a state variable."""
         self._state.append(variable)
+        self.version += 1
 
     def track_optimizer(self, optimizer: keras.optimizers.Optimizer) -> None:
         """Adds an optimizer whose variables the step updates."""
         if all(optimizer is not known for known in self._optimizers):
             self._optimizers.append(optimizer)
+            self.version += 1
 
     @property
     def variables(self) -> list[Variable]:
@@ -68,14 +71,3 @@ class StateHolder(keras.metrics.Metric):
         for optimizer in self._optimizers:
             found.extend(optimizer.variables)
         return [v for v in found if isinstance(v, keras.Variable)]
-
-    def update_state(self, *args: Any, **kwargs: Any) -> None:
-        """Does nothing: the state is written by the mixins."""
-        del args, kwargs
-
-    def reset_state(self) -> None:
-        """Does nothing: the state outlives epochs."""
-
-    def result(self) -> dict[str, Any]:
-        """Returns no log entry."""
-        return {}

@@ -99,11 +99,26 @@ class StepMetrics:
             # A Sum metric adds every replica's update: count on one only.
             value = backend.current().on_first_replica(value)
         kept = getattr(self._held, "before", None)
-        if held and kept is not None and key not in kept:
-            # First report in a guarded step: keep the metric's state.
+        counted = getattr(self._held, "counted", None)
+        if held and counted is not None:
+            # The verdict is known: undo this update at once if the step
+            # does not count. Nothing read here leaves the scope of the
+            # report (a report inside a conditional branch stays there).
             read = backend.current().read
-            kept[key] = (metric, [read(v) for v in metric.state_variables()])
-        metric.update_state(value, sample_weight=sample_weight)
+            before = [read(v) for v in metric.state_variables()]
+            metric.update_state(value, sample_weight=sample_weight)
+            backend.current().restore_if(
+                ops.logical_not(counted), metric.state_variables(), before
+            )
+        else:
+            if held and kept is not None and key not in kept:
+                # First report in a guarded step: keep the metric's state.
+                read = backend.current().read
+                kept[key] = (
+                    metric,
+                    [read(v) for v in metric.state_variables()],
+                )
+            metric.update_state(value, sample_weight=sample_weight)
         self.kinds.setdefault(key, set()).add(self.step())
 
     def hold(self) -> None:
@@ -114,6 +129,22 @@ class StepMetrics:
         holds at every execution of a traced step).
         """
         self._held.before = {}
+        self._held.counted = None
+
+    def settle(self, counted: Any) -> None:
+        """Gives the held step its verdict, before the step's later reports.
+
+        Reports made from now until `release` are undone where they are
+        made when the step does not count, instead of being kept for
+        `release`: a report inside a conditional branch (inspection on the
+        update steps of gradient accumulation) could not hand its kept
+        state out of the branch.
+
+        Args:
+            counted: Boolean scalar tensor, or `None` (nothing is held).
+        """
+        if getattr(self._held, "before", None) is not None:
+            self._held.counted = counted
 
     def release(self, counted: Any) -> None:
         """Restores the kept metric state unless the step `counted`.
@@ -123,6 +154,7 @@ class StepMetrics:
         """
         kept = getattr(self._held, "before", None) or {}
         self._held.before = None
+        self._held.counted = None
         if counted is None:
             return
         skipped = ops.logical_not(counted)

@@ -1,6 +1,7 @@
 """`TrainStepMixin`: `train_step` and `test_step` as a pipeline of hooks."""
 
 import dataclasses
+import inspect
 import warnings
 from collections.abc import Callable
 from collections.abc import Sequence
@@ -160,6 +161,7 @@ class TrainStepMixin(_keras_compat.PrivateOverrides):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         backend.check_supported()
+        _refuse_stateless_step_overrides(type(self))
         backend.current().check_strategy()
         options = _options.pop_options(type(self), kwargs)
         _options.refuse_unknown_keywords(type(self), args, kwargs)
@@ -191,6 +193,17 @@ class TrainStepMixin(_keras_compat.PrivateOverrides):
         """
         _keras_compat.refuse_sequential_clone(self)
         return super().layers
+
+    @layers.setter
+    def layers(self, value: Any) -> None:
+        # Keras' own setter refuses the name, with its own message.
+        mro = type(self).__mro__
+        for klass in mro[mro.index(TrainStepMixin) + 1 :]:
+            keras_property = vars(klass).get("layers")
+            if isinstance(keras_property, property) and keras_property.fset:
+                keras_property.fset(self, value)
+                return
+        raise AttributeError("`layers` is reserved. Use another name.")
 
     # Hooks, in the order `train_step` calls them.
 
@@ -604,6 +617,8 @@ class TrainStepMixin(_keras_compat.PrivateOverrides):
         transforms, inspection and the guard.
         """
         guard = _model_state.state_of(self).guard
+        # Whether the batch counts in the epoch's figures: its own
+        # gradients are finite (with accumulation), or the update is applied.
         counted = guard.batch_is_finite(gradients)
         is_update = None
         if self.gradient_accumulation_steps not in (None, 1):
@@ -611,19 +626,21 @@ class TrainStepMixin(_keras_compat.PrivateOverrides):
             gradients, is_update = accumulator.accumulate(gradients)
         transformed = self._transformed(gradients, variables)
         verdict = guard.decide(gradients, transformed, optimizer)
+        applied = verdict.finite if guard.active else None
+        if is_update is None:
+            counted = applied
+        # Reports from here on (inspection) are about the update.
+        _model_state.state_of(self).metrics.settle(applied)
         self._inspect_and_apply(
             gradients, transformed, variables, optimizer, verdict, is_update
         )
         guard.record(verdict, is_update)
-        applied = verdict.finite if guard.active else None
         if is_update is not None:
             applied = (
                 is_update
                 if applied is None
                 else ops.logical_and(is_update, applied)
             )
-        else:
-            counted = applied
         return _Update(loss=loss, aux=aux, applied=applied, counted=counted)
 
     def _option_in_step(self, name: str) -> Any:
@@ -998,13 +1015,7 @@ class TrainStepMixin(_keras_compat.PrivateOverrides):
         reported = [
             m for state in states for m in state.metrics.metrics.values()
         ]
-        # On JAX, custom_fit's own state travels in the step as metric state.
-        holders = (
-            [state.holder for state in states]
-            if backend.current().STATE_IN_METRICS
-            else []
-        )
-        return super().metrics + reported + holders
+        return super().metrics + reported
 
     def get_metrics_result(self) -> Logs:
         """Returns the metric results, as Keras' `get_metrics_result`.
@@ -1036,12 +1047,18 @@ class TrainStepMixin(_keras_compat.PrivateOverrides):
         if metrics.driver is None or metrics.driver[0] is not self:
             return logs
         step = metrics.step()
-        unreported = {
-            key
-            for model in models
-            for key, kinds in _model_state.state_of(model).metrics.kinds.items()
-            if step not in kinds
-        }
+        # A reported metric this kind of step of this driver does not
+        # report (a nested model's own figures from its own `fit` too).
+        unreported = set()
+        for model in models:
+            registry = _model_state.state_of(model).metrics
+            unreported.update(
+                key
+                for key in registry.metrics
+                if step not in registry.kinds.get(key, ())
+            )
+        # Keras' `loss` is this model's own: nested models' steps say nothing
+        # of it.
         if getattr(self, "loss", None) is None:
             if step not in metrics.kinds.get("loss", ()):
                 unreported.add("loss")
@@ -1057,6 +1074,20 @@ class TrainStepMixin(_keras_compat.PrivateOverrides):
                 found.append(layer)
             pending.extend(getattr(layer, "layers", []))
         return found
+
+    def fit(self, *args: Any, **kwargs: Any) -> Any:
+        """Trains the model: `keras.Model.fit`, with the same arguments.
+
+        Each call starts a new count of consecutive skipped steps for
+        `max_consecutive_skipped_steps`: a `fit` stopped by the limit does
+        not stop the next one.
+
+        Returns:
+            A `History` object, as `keras.Model.fit` returns.
+        """
+        for model in [self, *self._inner_step_models()]:
+            _model_state.state_of(model).guard.restart()
+        return super().fit(*args, **kwargs)
 
     def make_train_function(self, force: bool = False) -> StepFunction:
         """Builds the train function; adds the skipped-step limit check.
@@ -1278,6 +1309,36 @@ class _StepStart:
 def _copies(variables: Sequence[Variable]) -> list[Tensor]:
     """Returns a copy of each variable's current value."""
     return [backend.current().copy(v) for v in variables]
+
+
+def _refuse_stateless_step_overrides(cls: type) -> None:
+    """Raises if `cls` overrides a step in the form of Keras' JAX trainer.
+
+    Keras' JAX trainer calls `train_step(state, data)`; custom_fit runs one
+    stateful `train_step(data)` on every backend and carries the state
+    itself, so such an override would fail deep inside the step.
+    """
+    for name in ("train_step", "test_step"):
+        owner = next(k for k in cls.__mro__ if name in vars(k))
+        if not issubclass(owner, TrainStepMixin):
+            continue
+        parameters = [
+            p
+            for p in inspect.signature(vars(owner)[name]).parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+            and p.default is p.empty
+        ]
+        if len(parameters) <= 2:  # self, data
+            continue
+        listed = ", ".join(p.name for p in parameters)
+        raise ValueError(
+            f"custom_fit models take `{name}(self, data)` on every backend "
+            "and carry the model's state themselves; the form "
+            f"`{name}(self, state, data)` is that of Keras' JAX trainer. "
+            f"Received: {owner.__name__}.{name}({listed}). Override "
+            f"`{name}(self, data)` and call `super().{name}(data)` "
+            "inside it."
+        )
 
 
 def _check_transformed(

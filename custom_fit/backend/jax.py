@@ -43,9 +43,6 @@ import keras
 import numpy as np
 from keras import ops
 
-# Whether custom_fit's own state must travel with the step as metric state.
-STATE_IN_METRICS = True
-
 _LOCAL = threading.local()
 
 
@@ -487,7 +484,11 @@ def check_strategy() -> None:
 
 
 class _Latest:
-    """The state returned by the last call, readable per variable."""
+    """The state returned by the last call, readable per variable.
+
+    Keras' state (its groups of variables) and custom_fit's own state (the
+    last group) of the model's latest call of a train or test function.
+    """
 
     def __init__(self, groups: list[list[Any]], state: tuple) -> None:
         self.groups = groups
@@ -513,11 +514,20 @@ class _Latest:
         return self.state[where[0]][where[1]]
 
 
+def _own_state_models(model: Any) -> list[Any]:
+    """Returns `model` and the custom_fit models nested in it."""
+    return [model, *model._inner_step_models()]
+
+
 class _StepFunction:
     """Keras' JAX train or test function, around the imperative step.
 
     Called as Keras calls its own: `(state, iterator) -> (logs, state)`,
-    running `steps_per_execution` steps.
+    running `steps_per_execution` steps. custom_fit's own state (see
+    `custom_fit._state.StateHolder`) travels beside Keras' state: each call
+    starts from the values the model's latest call returned (or, after
+    Keras wrote the state back into the variables, from the variables) and
+    keeps the new ones for the next call.
     """
 
     def __init__(self, model: Any, kind: str) -> None:
@@ -526,9 +536,10 @@ class _StepFunction:
         self.discovered = False
         step = self._stateless
         if not model.run_eagerly and model.jit_compile:
-            step = jax.jit(step, donate_argnums=0)
+            step = jax.jit(step, donate_argnums=(0, 1))
         self.step = step
         self._groups: list[list[Any]] | None = None
+        self._own: tuple[tuple[int, ...], list[Any]] | None = None
 
     def groups(self) -> list[list[Any]]:
         """The variables of each element of the state, as Keras orders them."""
@@ -545,6 +556,30 @@ class _StepFunction:
             list(model.non_trainable_variables),
             list(model.metrics_variables),
         ]
+
+    def own_variables(self) -> list[Any]:
+        """custom_fit's state variables of the model and its networks.
+
+        Listed again only when a holder changed, not at every call.
+        """
+        from custom_fit import _model_state
+
+        holders = [
+            _model_state.state_of(m).holder
+            for m in _own_state_models(self.model)
+        ]
+        versions = tuple(h.version for h in holders)
+        if self._own is None or self._own[0] != versions:
+            in_keras_state = {
+                id(v) for group in self.groups() for v in group
+            }
+            found: dict[int, Any] = {}
+            for holder in holders:
+                for variable in holder.variables:
+                    if id(variable) not in in_keras_state:
+                        found.setdefault(id(variable), variable)
+            self._own = (versions, list(found.values()))
+        return self._own[1]
 
     def _run(self, data: Any) -> Any:
         if self.kind == "train":
@@ -564,9 +599,10 @@ class _StepFunction:
         return []
 
     def _stateless(
-        self, state: tuple, data: Any, extras: list[Any]
-    ) -> tuple[Any, tuple]:
+        self, state: tuple, own: list[Any], data: Any, extras: list[Any]
+    ) -> tuple[Any, tuple, list[Any]]:
         groups = self.groups()
+        own_variables = self.own_variables()
         mapping = {
             id(variable): value
             for variable, value in zip(self.extra_variables(), extras)
@@ -574,13 +610,16 @@ class _StepFunction:
         mapping.update(
             {
                 id(variable): value
-                for variables, values in zip(groups, state)
+                for variables, values in zip(
+                    [*groups, own_variables], [*state, own]
+                )
                 for variable, value in zip(variables, values)
             }
         )
         with _entered(_Scope(mapping, collect_losses=True)) as scope:
             logs = self._run(data)
-        if [len(g) for g in self.groups()] != [len(g) for g in groups]:
+        after = [len(g) for g in [*self.groups(), self.own_variables()]]
+        if after != [len(g) for g in [*groups, own_variables]]:
             raise RuntimeError(
                 "custom_fit made new state while a JAX step was traced: "
                 "everything a step reports or keeps must exist when it is "
@@ -593,7 +632,8 @@ class _StepFunction:
             [scope.state_mapping[id(variable)] for variable in variables]
             for variables in groups
         )
-        return logs, new_state
+        new_own = [scope.state_mapping[id(v)] for v in own_variables]
+        return logs, new_state, new_own
 
     def discover(self, state: tuple, data: Any) -> tuple:
         """Runs the step once eagerly, discarding its updates.
@@ -607,7 +647,7 @@ class _StepFunction:
             for variables, group in zip(before, state)
             for variable, value in zip(variables, group)
         }
-        for variable in self.extra_variables():
+        for variable in [*self.extra_variables(), *self.own_variables()]:
             values.setdefault(id(variable), variable.value)
         with _entered(_Scope(values, collect_losses=True)):
             self._run(data)
@@ -617,25 +657,37 @@ class _StepFunction:
             for g in self.groups()
         )
 
+    def own_values(self) -> list[Any]:
+        """The current values of custom_fit's state, for the next call."""
+        latest = self.model.__dict__.get("_custom_fit_latest")
+        values = []
+        for variable in self.own_variables():
+            value = latest.get(variable) if latest is not None else None
+            values.append(variable.value if value is None else value)
+        return values
+
     def __call__(self, state: tuple, iterator: Any) -> tuple[Any, tuple]:
         iterator = iter(iterator)
         data = next(iterator)
         if not self.discovered:
             state = self.discover(state, data)
         extras = [variable.value for variable in self.extra_variables()]
-        logs, state = self.step(state, data, extras)
+        own = self.own_values()
+        logs, state, own = self.step(state, own, data, extras)
         for _ in range(self.model.steps_per_execution - 1):
             try:
                 data = next(iterator)
             except StopIteration:
                 break
-            logs, state = self.step(state, data, extras)
+            logs, state, own = self.step(state, own, data, extras)
         groups = self._groups
         if groups is None or [len(g) for g in groups] != [
             len(g) for g in state
         ]:
             groups = self._groups = self.groups()
-        self.model.__dict__["_custom_fit_latest"] = _Latest(groups, state)
+        self.model.__dict__["_custom_fit_latest"] = _Latest(
+            [*groups, self.own_variables()], (*state, own)
+        )
         return logs, state
 
 

@@ -17,9 +17,6 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-# Whether custom_fit's own state must travel with the step as metric state.
-STATE_IN_METRICS = False
-
 # Differentiation.
 
 

@@ -1,0 +1,271 @@
+"""Where a custom_fit model must behave as `keras.Model` does.
+
+Each oracle is Keras itself: the same model built as a plain
+`keras.Model` (or `keras.Sequential`), trained the same way.
+"""
+
+import keras
+import numpy as np
+from absl.testing import parameterized
+
+import custom_fit
+from tests import testing
+
+
+class Net(custom_fit.GradientClippingMixin, keras.Model):
+    pass
+
+
+class Inspected(custom_fit.GradientInspectionMixin, keras.Model):
+    pass
+
+
+class Sharp(custom_fit.SharpnessAwareMixin, keras.Model):
+    pass
+
+
+class SequentialNet(custom_fit.GradientClippingMixin, keras.Sequential):
+    pass
+
+
+def backbone(model_class, name="backbone"):
+    """A Dense backbone of 8 features, fixed initial weights."""
+    inputs = keras.Input((4,))
+    features = keras.layers.Dense(
+        8,
+        activation="relu",
+        kernel_initializer=keras.initializers.GlorotUniform(seed=3),
+        name="features",
+    )(inputs)
+    return model_class(inputs, features, name=name)
+
+
+def pretrained(model_class):
+    """A custom_fit backbone fitted and evaluated on its own first."""
+    model = backbone(model_class)
+    model.compile(optimizer="sgd", loss="mse")
+    x, _ = testing.classification_data(samples=32)
+    target = np.random.RandomState(1).rand(32, 8).astype("float32")
+    model.fit(x, target, batch_size=8, verbose=0)
+    model.evaluate(x, target, verbose=0)
+    return model
+
+
+def head(base, model_class, sequential=False):
+    """A new classifier head on `base`."""
+    dense = keras.layers.Dense(
+        3,
+        kernel_initializer=keras.initializers.GlorotUniform(seed=4),
+        name="head",
+    )
+    if sequential:
+        return model_class([keras.Input((4,)), base, dense])
+    inputs = keras.Input((4,))
+    return model_class(inputs, dense(base(inputs)))
+
+
+def fine_tune(model, **fit_kwargs):
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss=testing.sparse_crossentropy(),
+    )
+    x, y = testing.classification_data(samples=48)
+    history = model.fit(
+        x[:32],
+        y[:32],
+        validation_data=(x[32:], y[32:]),
+        batch_size=8,
+        epochs=2,
+        shuffle=False,
+        verbose=0,
+        **fit_kwargs,
+    )
+    return history.history, model.evaluate(
+        x[32:], y[32:], return_dict=True, verbose=0
+    )
+
+
+class TransferLearningTest(testing.TestCase):
+    @parameterized.named_parameters(
+        ("functional", Net, False), ("sequential", SequentialNet, True)
+    )
+    def test_fitted_backbone_keeps_the_outer_loss(self, outer, sequential):
+        """A custom_fit backbone fitted on its own, under a new custom_fit
+        head, leaves the outer model's logs as Keras': `loss`,
+        `val_loss` and `evaluate()`'s `loss`, with Keras' values."""
+        model = head(pretrained(Net), outer, sequential)
+        plain = keras.Sequential if sequential else keras.Model
+        oracle = head(backbone(keras.Model), plain, sequential)
+        oracle.set_weights(model.get_weights())
+        history, evaluated = fine_tune(model)
+        expected_history, expected = fine_tune(oracle)
+        self.assertEqual(sorted(history), ["loss", "val_loss"])
+        self.assertAllClose(
+            [history[k] for k in sorted(history)],
+            [expected_history[k] for k in sorted(history)],
+        )
+        self.assertEqual(list(evaluated), ["loss"])
+        self.assertAllClose(evaluated["loss"], expected["loss"])
+
+    def test_early_stopping_watches_val_loss(self):
+        """EarlyStopping(monitor="val_loss") and ModelCheckpoint find the
+        outer model's `val_loss` (Keras warns, and here fails, when a
+        monitored key is missing)."""
+        model = head(pretrained(Net), Net)
+        path = self.create_tempfile_path("best.weights.h5")
+        history, _ = fine_tune(
+            model,
+            callbacks=[
+                keras.callbacks.EarlyStopping(
+                    monitor="val_loss", patience=0, min_delta=10.0
+                ),
+                keras.callbacks.ModelCheckpoint(
+                    path,
+                    monitor="val_loss",
+                    save_best_only=True,
+                    save_weights_only=True,
+                ),
+            ],
+        )
+        # min_delta=10 makes no epoch an improvement: it stops after 2.
+        self.assertLen(history["val_loss"], 2)
+
+    def create_tempfile_path(self, name):
+        import os
+        import tempfile
+
+        return os.path.join(tempfile.mkdtemp(), name)
+
+
+class MetricsListTest(testing.TestCase):
+    @parameterized.named_parameters(
+        ("no_metric", None),
+        ("compiled_metric", ["sparse_categorical_accuracy"]),
+    )
+    def test_metrics_as_keras_with_no_option(self, metrics):
+        """With no option set, `model.metrics` and `metrics_names` are
+        Keras': before compile, after compile and after fit."""
+        model = testing.mlp(Net)
+        oracle = testing.mlp(keras.Model)
+        self.assertEqual(len(model.metrics), len(oracle.metrics))
+        self.assertEqual(model.metrics_names, oracle.metrics_names)
+        x, y = testing.classification_data(samples=16)
+        for each in (model, oracle):
+            each.compile(
+                optimizer="sgd",
+                loss=testing.sparse_crossentropy(),
+                metrics=metrics,
+            )
+        self.assertEqual(len(model.metrics), len(oracle.metrics))
+        for each in (model, oracle):
+            each.fit(x, y, batch_size=8, verbose=0)
+        self.assertEqual(len(model.metrics), len(oracle.metrics))
+        self.assertEqual(model.metrics_names, oracle.metrics_names)
+        self.assertEqual(
+            len(model.metrics_variables), len(oracle.metrics_variables)
+        )
+
+    def test_state_is_not_a_metric(self):
+        """custom_fit's own state (inspection, accumulation, the guard's
+        counter) is not listed among the model's metrics: only what the
+        model reports is added to Keras' metrics."""
+        model = testing.mlp(
+            Inspected,
+            skip_nonfinite=True,
+            gradient_accumulation_steps=2,
+            keep_gradients=True,
+        )
+        oracle = testing.mlp(keras.Model)
+        x, y = testing.classification_data(samples=16)
+        for each in (model, oracle):
+            each.compile(optimizer="sgd", loss=testing.sparse_crossentropy())
+            each.fit(x, y, batch_size=4, verbose=0)
+        kept = len(oracle.metrics_names)
+        self.assertEqual(model.metrics_names[:kept], oracle.metrics_names)
+        added = model.metrics_names[kept:]
+        self.assertCountEqual(
+            added, ["grad_norm", "grad_norm_step", "skipped_steps"]
+        )
+
+
+class StepOverrideTest(testing.TestCase):
+    @parameterized.named_parameters(
+        ("train", "train_step"), ("test", "test_step")
+    )
+    def test_two_argument_step_refused_at_construction(self, name):
+        """A step written for Keras' JAX trainer, `(self, state, data)`, is
+        refused when the model is built, with the one-argument form."""
+
+        def step(self, state, data):
+            return getattr(super(override, self), name)(state, data)
+
+        override = type("Override", (Net,), {name: step})
+        with self.assertRaisesRegex(
+            ValueError,
+            rf"Received: Override\.{name}\(self, state, data\)\. "
+            rf"Override `{name}\(self, data\)`",
+        ):
+            testing.mlp(override)
+
+    def test_one_argument_step_accepted(self):
+        """`train_step(self, data)` with an optional extra argument trains."""
+
+        class Override(Net):
+            def train_step(self, data, extra=None):
+                del extra
+                return super().train_step(data)
+
+        model = testing.mlp(Override)
+        model.compile(optimizer="sgd", loss=testing.sparse_crossentropy())
+        x, y = testing.classification_data(samples=8)
+        self.assertIn("loss", model.fit(x, y, verbose=0).history)
+
+
+class LayersAttributeTest(testing.TestCase):
+    @parameterized.named_parameters(("functional", False), ("sequential", True))
+    def test_assigning_layers_gives_keras_error(self, sequential):
+        """`model.layers = [...]` raises Keras' own AttributeError."""
+        if sequential:
+            model = SequentialNet([keras.Input((4,)), keras.layers.Dense(1)])
+            oracle = keras.Sequential(
+                [keras.Input((4,)), keras.layers.Dense(1)]
+            )
+        else:
+            model, oracle = testing.mlp(Net), testing.mlp(keras.Model)
+        with self.assertRaises(AttributeError) as expected:
+            oracle.layers = []
+        with self.assertRaises(AttributeError) as raised:
+            model.layers = []
+        self.assertEqual(str(raised.exception), str(expected.exception))
+
+
+class ConsecutiveSkipsTest(testing.TestCase):
+    @parameterized.named_parameters(
+        ("eager", Net, {}, dict(run_eagerly=True)),
+        ("jit", Net, {}, dict(jit_compile=True)),
+        ("steps_per_execution", Net, {}, dict(steps_per_execution=4)),
+        ("accumulation", Net, dict(gradient_accumulation_steps=2), {}),
+        ("sharpness", Sharp, {}, {}),
+    )
+    def test_next_fit_after_a_stop_trains(self, model_class, options, mode):
+        """After `fit` stops at `max_consecutive_skipped_steps`, the next
+        `fit` on clean data trains as a model that never stopped."""
+        options = dict(
+            skip_nonfinite=True, max_consecutive_skipped_steps=2, **options
+        )
+        model = testing.mlp(model_class, **options)
+        oracle = testing.mlp(model_class, **options)
+        for each in (model, oracle):
+            each.compile(
+                optimizer=keras.optimizers.SGD(0.1),
+                loss=testing.sparse_crossentropy(),
+                **mode,
+            )
+        x, y = testing.classification_data(samples=64)
+        bad = np.full_like(x, np.nan)
+        with self.assertRaisesRegex(RuntimeError, "consecutive training"):
+            model.fit(bad, y, batch_size=4, verbose=0)
+        history = model.fit(x, y, batch_size=4, shuffle=False, verbose=0)
+        oracle.fit(x, y, batch_size=4, shuffle=False, verbose=0)
+        self.assertEqual(history.history["skipped_steps"], [0.0])
+        self.assertAllClose(model.get_weights(), oracle.get_weights())

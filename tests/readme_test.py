@@ -135,6 +135,18 @@ class ReadmeTest(testing.TestCase):
         self.assertIsNotNone(match, result.stdout[-3000:])
         self.assertGreater(float(match.group(1)), 0.5)
 
+    def test_fine_tuning_block_logs_the_outer_loss(self):
+        """The fine-tuning block's model logs `loss` and `val_loss`."""
+        blocks = [
+            b
+            for b in readme_blocks()
+            if b.heading == "Fine-tuning a pretrained custom_fit model"
+        ]
+        self.assertLen(blocks, 1)
+        result = run_block(blocks[0].code)
+        self.assertEqual(result.returncode, 0, result.stderr[-3000:])
+        self.assertIn("['loss', 'val_loss']", result.stdout)
+
     def test_every_python_block_is_found(self):
         """Each ```python fence is a block; skip markers are rare and used.
 

@@ -62,6 +62,26 @@ def squared_sum(gradient: Any) -> Any:
     return ops.sum(ops.square(values))
 
 
+def squared_sums_per_slice(tensor: Any) -> Any:
+    """Returns the sum of squares of each slice along the first axis.
+
+    Summed over the other axes in place, never reshaped: under
+    `keras.distribution.ModelParallel` a reshape of a sharded tensor to
+    `(slices, -1)` would gather it whole onto each device, while a sum over
+    its axes adds partial sums of the shards.
+
+    Args:
+        tensor: A float tensor of rank 1 or more.
+
+    Returns:
+        A vector with one entry per slice of the first axis.
+    """
+    squares = ops.square(tensor)
+    if len(tensor.shape) == 1:
+        return squares
+    return ops.sum(squares, axis=tuple(range(1, len(tensor.shape))))
+
+
 def is_finite(gradient: Any) -> Any:
     """Returns a boolean scalar: whether every entry is finite."""
     return ops.all(ops.isfinite(values_of(gradient)))

@@ -35,6 +35,27 @@ def state_variable(
     return backend.current().state_variable(tuple(shape), dtype, name, summed)
 
 
+def state_like(weight: Variable, dtype: str, name: str) -> Any:
+    """Returns a zero-initialized state variable shaped as `weight` is.
+
+    Every weight-shaped variable custom_fit keeps (gradient sums of
+    accumulation, kept gradients) is made here, with the weight's shape and
+    layout: under `keras.distribution.ModelParallel` it is sharded as its
+    weight is, never replicated.
+
+    Args:
+        weight: The model variable it belongs to.
+        dtype: Its dtype.
+        name: Its name.
+
+    Returns:
+        A variable of the backend in use.
+    """
+    return backend.current().state_variable(
+        tuple(weight.shape), dtype, name, like=weight
+    )
+
+
 class StateHolder:
     """Lists a model's custom_fit state, for backends whose step is pure.
 

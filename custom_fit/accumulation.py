@@ -57,8 +57,8 @@ class GradientAccumulator:
         self.steps = steps
         self.count = _state.state_variable((), "int32", "count")
         self.sums = [
-            _state.state_variable(
-                variable.shape,
+            _state.state_like(
+                variable,
                 keras.backend.standardize_dtype(variable.dtype),
                 "gradient_sum",
             )

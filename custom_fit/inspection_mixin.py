@@ -321,9 +321,7 @@ class _InspectionState:
         self.kept = [
             (
                 owner,
-                _state.state_variable(
-                    variable.shape, "float32", "kept_gradient"
-                ),
+                _state.state_like(variable, "float32", "kept_gradient"),
             )
             for owner, variable in zip(owners, variables)
             if keep_gradients

@@ -57,22 +57,47 @@ def project_conflicting(
     ```
     """
     template = _shapes(task_gradients)
-    flat = ops.stack(
-        [_flattened(gradients, template) for gradients in task_gradients]
+    specs = [(k, spec) for k, spec in enumerate(template) if spec is not None]
+    # Per variable, the tasks' gradients stacked: (tasks, *shape). The dot
+    # products and norms are sums of per-variable sums, never of one
+    # flattened vector: under `keras.distribution.ModelParallel` a
+    # concatenation of sharded gradients would gather them whole.
+    stacked = [
+        ops.stack([_dense_float32(task[k], shape) for task in task_gradients])
+        for k, (shape, _) in specs
+    ]
+    squared = _gradient_ops.add_all(
+        [_gradient_ops.squared_sums_per_slice(s) for s in stacked]
     )
     count = len(task_gradients)
     order = ops.convert_to_tensor(order, "int32")
-    projected = []
+    total: list[Tensor] = [ops.zeros_like(s[0]) for s in stacked]
     for i in range(count):
-        g = flat[i]
+        g = [s[i] for s in stacked]
         for position in range(count):
-            other = ops.take(flat, order[position], axis=0)
-            dot = ops.sum(g * other)
-            squared = ops.maximum(ops.sum(other * other), 1e-30)
-            conflicts = ops.logical_and(dot < 0, order[position] != i)
-            g = ops.where(conflicts, g - dot / squared * other, g)
-        projected.append(g)
-    return _split(_gradient_ops.add_all(projected), template)
+            j = order[position]
+            other = [ops.take(s, j, axis=0) for s in stacked]
+            dot = _gradient_ops.add_all(
+                [ops.sum(a * b) for a, b in zip(g, other)]
+            )
+            norm = ops.maximum(ops.take(squared, j), 1e-30)
+            conflicts = ops.logical_and(dot < 0, j != i)
+            g = [
+                ops.where(conflicts, a - dot / norm * b, a)
+                for a, b in zip(g, other)
+            ]
+        total = [t + a for t, a in zip(total, g)]
+    update: Gradients = [None] * len(template)
+    for (k, (_, dtype)), summed in zip(specs, total):
+        update[k] = ops.cast(summed, dtype)
+    return update
+
+
+def _dense_float32(gradient: Gradient, shape: tuple[int, ...]) -> Tensor:
+    """Returns a gradient as a dense float32 tensor (zeros for `None`)."""
+    if gradient is None:
+        return ops.zeros(shape, "float32")
+    return ops.cast(_gradient_ops.dense(gradient), "float32")
 
 
 def _shapes(
@@ -89,47 +114,3 @@ def _shapes(
         dtype = keras.backend.standardize_dtype(dense.dtype)
         template.append((tuple(dense.shape), dtype))
     return template
-
-
-def _flattened(
-    gradients: Sequence[Gradient],
-    template: list[tuple[tuple[int, ...], str] | None],
-) -> Tensor:
-    """Returns one task's gradients as one float32 vector."""
-    parts = []
-    for gradient, spec in zip(gradients, template):
-        if spec is None:
-            continue
-        shape, _ = spec
-        if gradient is None:
-            parts.append(ops.zeros((_size(shape),), "float32"))
-        else:
-            dense = ops.cast(_gradient_ops.dense(gradient), "float32")
-            parts.append(ops.reshape(dense, (-1,)))
-    return ops.concatenate(parts)
-
-
-def _split(
-    vector: Tensor, template: list[tuple[tuple[int, ...], str] | None]
-) -> Gradients:
-    """Splits a flat vector back into gradients of the template's shapes."""
-    gradients: Gradients = []
-    start = 0
-    for spec in template:
-        if spec is None:
-            gradients.append(None)
-            continue
-        shape, dtype = spec
-        size = _size(shape)
-        piece = ops.reshape(vector[start : start + size], shape)
-        gradients.append(ops.cast(piece, dtype))
-        start += size
-    return gradients
-
-
-def _size(shape: tuple[int, ...]) -> int:
-    """Returns the number of entries of a static shape."""
-    size = 1
-    for dim in shape:
-        size *= int(dim)
-    return size

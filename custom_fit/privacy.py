@@ -23,6 +23,7 @@ from typing import Any
 
 from keras import ops
 
+from custom_fit import _gradient_ops
 from custom_fit import backend
 from custom_fit._types import Tensor
 
@@ -58,10 +59,7 @@ def clip_and_sum(
         ops.cast(ops.convert_to_tensor(g), "float32")
         for g in per_microbatch_gradients
     ]
-    squares = [
-        ops.sum(ops.reshape(ops.square(g), (ops.shape(g)[0], -1)), axis=1)
-        for g in gradients
-    ]
+    squares = [_gradient_ops.squared_sums_per_slice(g) for g in gradients]
     norms = ops.sqrt(ops.sum(ops.stack(squares), axis=0))
     factors = ops.minimum(1.0, l2_norm_clip / ops.maximum(norms, 1e-30))
     # The factor-weighted sum over the microbatches as a contraction, not

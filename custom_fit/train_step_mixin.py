@@ -1049,7 +1049,7 @@ class TrainStepMixin(_keras_compat.PrivateOverrides):
         step = metrics.step()
         # A reported metric this kind of step of this driver does not
         # report (a nested model's own figures from its own `fit` too).
-        unreported = set()
+        unreported: set[str] = set()
         for model in models:
             registry = _model_state.state_of(model).metrics
             unreported.update(

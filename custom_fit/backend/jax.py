@@ -41,6 +41,8 @@ from typing import Any
 import jax
 import keras
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec
 from keras import ops
 
 _LOCAL = threading.local()
@@ -377,13 +379,20 @@ def restore_if(
 
 
 def state_variable(
-    shape: Sequence[int], dtype: str, name: str, summed: bool = False
+    shape: Sequence[int],
+    dtype: str,
+    name: str,
+    summed: bool = False,
+    like: Any = None,
 ) -> keras.Variable:
     """Returns a zero-initialized, non-trainable Keras variable.
 
     See `custom_fit.backend.tensorflow.state_variable`; `summed` has no
-    meaning on JAX. Made inside the discovery pass, it is initialized when
-    that pass ends.
+    meaning on JAX. With `like`, the variable takes the sharding of that
+    model variable's value (under `keras.distribution.ModelParallel`, the
+    weight's shards; made in the discovery pass, where values are concrete
+    arrays). Made inside the discovery pass, it is initialized when that
+    pass ends.
     """
     del summed
     return keras.Variable(
@@ -392,7 +401,19 @@ def state_variable(
         dtype=dtype,
         trainable=False,
         name=name,
+        layout=None if like is None else _mesh_sharding(like.value),
     )
+
+
+def _mesh_sharding(value: Any) -> Any:
+    """Returns the sharding of an array over a mesh of devices, or `None`.
+
+    `None` for an array on one device and for a traced value.
+    """
+    sharding = getattr(value, "sharding", None)
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        return sharding
+    return None
 
 
 def creation_scope() -> contextlib.AbstractContextManager:
@@ -418,11 +439,26 @@ def host_value(model: Any, variable: Any) -> np.ndarray:
     at the end of an epoch); they are read from there.
     """
     latest = getattr(model, "_custom_fit_latest", None)
-    if latest is not None:
-        value = latest.get(variable)
-        if value is not None:
-            return np.asarray(value)
-    return np.asarray(variable.value)
+    value = None if latest is None else latest.get(variable)
+    return _fetched(variable.value if value is None else value)
+
+
+def _fetched(value: Any) -> np.ndarray:
+    """Returns an array's value in this process, whole.
+
+    With several processes, an array laid out over devices of other
+    processes is read from this process's devices when replicated, and
+    else gathered from every process: that read is a collective, which
+    every process makes at the same point (as Keras' callbacks run in
+    every process).
+    """
+    if not isinstance(value, jax.Array) or value.is_fully_addressable:
+        return np.asarray(value)
+    if value.is_fully_replicated:
+        return np.asarray(value.addressable_data(0))
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(value, tiled=True))
 
 
 def write_latest(model: Any) -> None:
@@ -534,10 +570,8 @@ class _StepFunction:
         self.model = model
         self.kind = kind
         self.discovered = False
-        step = self._stateless
-        if not model.run_eagerly and model.jit_compile:
-            step = jax.jit(step, donate_argnums=(0, 1))
-        self.step = step
+        self.step: Any = None  # compiled at the first call
+        self.shardings: tuple[Any, Any] | None = None
         self._groups: list[list[Any]] | None = None
         self._own: tuple[tuple[int, ...], list[Any]] | None = None
 
@@ -570,9 +604,7 @@ class _StepFunction:
         ]
         versions = tuple(h.version for h in holders)
         if self._own is None or self._own[0] != versions:
-            in_keras_state = {
-                id(v) for group in self.groups() for v in group
-            }
+            in_keras_state = {id(v) for group in self.groups() for v in group}
             found: dict[int, Any] = {}
             for holder in holders:
                 for variable in holder.variables:
@@ -657,6 +689,25 @@ class _StepFunction:
             for g in self.groups()
         )
 
+    def _compiled(self, state: tuple, own: list[Any]) -> Any:
+        """Returns the step function, `jax.jit`-compiled unless eager.
+
+        The state leaves each step laid out as it entered the first one
+        (`out_shardings`, as Keras' JAX trainer compiles its step): under
+        `keras.distribution` nothing is re-laid out by XLA's choice, and
+        the step compiles once.
+        """
+        if self.model.run_eagerly or not self.model.jit_compile:
+            return self._stateless
+        self.shardings = _state_shardings(self.groups(), state, own)
+        if self.shardings is None:
+            return jax.jit(self._stateless, donate_argnums=(0, 1))
+        return jax.jit(
+            self._stateless,
+            donate_argnums=(0, 1),
+            out_shardings=(None, *self.shardings),
+        )
+
     def own_values(self) -> list[Any]:
         """The current values of custom_fit's state, for the next call."""
         latest = self.model.__dict__.get("_custom_fit_latest")
@@ -673,6 +724,11 @@ class _StepFunction:
             state = self.discover(state, data)
         extras = [variable.value for variable in self.extra_variables()]
         own = self.own_values()
+        if self.step is None:
+            self.step = self._compiled(state, own)
+            if self.shardings is not None:
+                # As the step will return it, so that it compiles once.
+                state, own = jax.device_put((state, own), self.shardings)
         logs, state, own = self.step(state, own, data, extras)
         for _ in range(self.model.steps_per_execution - 1):
             try:
@@ -689,6 +745,58 @@ class _StepFunction:
             [*groups, self.own_variables()], (*state, own)
         )
         return logs, state
+
+
+def _state_shardings(
+    groups: list[list[Any]], state: tuple, own: list[Any]
+) -> tuple[Any, Any] | None:
+    """Returns the shardings a step's state keeps, when it spans devices.
+
+    `None` when no array is laid out over a mesh of devices (no
+    distribution). Otherwise each array keeps its mesh sharding, and an
+    array on one device (an optimizer or custom_fit state made outside the
+    distribution's scope) is replicated over the mesh, as XLA would place
+    it. Model weights on one device beside a mesh cannot be right (they
+    were made outside the distribution and would be silently replicated):
+    refused.
+
+    Raises:
+        ValueError: For model weights on one device beside a mesh.
+    """
+    values = [*(v for values in state for v in values), *own]
+    meshes = [
+        value.sharding.mesh
+        for value in values
+        if isinstance(getattr(value, "sharding", None), NamedSharding)
+    ]
+    if not meshes:
+        return None
+    weights = [*zip(groups[0], state[0]), *zip(groups[1], state[1])]
+    outside = [
+        variable.path
+        for variable, value in weights
+        if not isinstance(getattr(value, "sharding", None), NamedSharding)
+    ]
+    if outside:
+        raise ValueError(
+            "Some of the model's weights lie on one device while the rest of "
+            "its state is laid out over a `keras.distribution` mesh: they "
+            "were made outside the distribution, and one compiled step "
+            f"cannot shard them. Received: {outside[:3]} on one device. "
+            "Build the model under the distribution: inside "
+            "`distribution.scope()` or after "
+            "`keras.distribution.set_distribution(...)`."
+        )
+    replicated = NamedSharding(meshes[0], PartitionSpec())
+
+    def kept(value: Any) -> Any:
+        sharding = getattr(value, "sharding", None)
+        return sharding if isinstance(sharding, NamedSharding) else replicated
+
+    return (
+        tuple([kept(value) for value in values] for values in state),
+        [kept(value) for value in own],
+    )
 
 
 def make_step_function(

@@ -352,7 +352,11 @@ def _outside_replica_context() -> bool:
 
 
 def state_variable(
-    shape: Sequence[int], dtype: str, name: str, summed: bool = False
+    shape: Sequence[int],
+    dtype: str,
+    name: str,
+    summed: bool = False,
+    like: Any = None,
 ) -> tf.Variable:
     """Returns a zero-initialized variable for custom_fit's own state.
 
@@ -366,10 +370,13 @@ def state_variable(
         dtype: Its dtype.
         name: Its name.
         summed: Bool. Whether a read sums the replicas' copies.
+        like: Optional model variable whose layout the state takes; under
+            `tf.distribute` every replica holds whole copies, so unused.
 
     Returns:
         A `tf.Variable`.
     """
+    del like
     aggregation = (
         tf.VariableAggregation.SUM
         if summed

@@ -1,11 +1,18 @@
-"""The non-finite guard of `skip_nonfinite`: decide, then count.
+"""The guard of `skip_nonfinite`: decide, then count.
 
-`NonFiniteGuard.decide` looks at the true and the transformed gradients of
-an update and returns a `Verdict`; the step applies the update only when
-the verdict is finite, and `NonFiniteGuard.record` counts the skip:
+`Guard.decide` looks at the true and the transformed gradients of an
+update and returns a `Verdict`; the step applies the update only when the
+verdict says so, and `Guard.record` counts the skip:
 `logs["skipped_steps"]` and the consecutive-skip counter that
 `max_consecutive_skipped_steps` limits, checked on the host between calls
 of the train function (`check_limit`).
+
+An update is skipped when its gradients (true or transformed) are not
+finite and, with the spike options, when its true global gradient norm is
+a spike (`custom_fit.spikes`): above `skip_gradient_norm_above`, or above
+`skip_gradient_norm_ratio_above` times the running average of the norms of
+the updates applied so far (kept in the model's state, updated only by
+applied updates). Spikes are also counted in `logs["skipped_spikes"]`.
 
 Under a dynamic loss scale (mixed precision's `LossScaleOptimizer`), the
 first steps of a run are expected to overflow: the scale starts at 2**15
@@ -28,6 +35,7 @@ from custom_fit import _state
 from custom_fit import backend
 from custom_fit import clipping
 from custom_fit import pipeline
+from custom_fit import spikes
 from custom_fit._types import Gradients
 from custom_fit._types import Optimizer
 from custom_fit._types import Tensor
@@ -38,33 +46,51 @@ class Verdict:
     """What the guard decided about one update.
 
     Attributes:
-        finite: Boolean scalar tensor, true when the update may be
-            applied; `None` when nothing is checked (the update is applied
+        apply: Boolean scalar tensor, true when the update may be applied;
+            `None` when nothing is checked (the update is applied
             unconditionally).
         explained: Boolean scalar tensor, true when a dynamic loss scale
             above 1 explains a non-finite update; `None` without one.
+        spike: Boolean scalar tensor, true when the update is skipped for a
+            gradient spike; `None` without the spike options.
+        norm: The true global gradient norm (with the spike options), else
+            `None`.
     """
 
-    finite: Tensor | None
+    apply: Tensor | None
     explained: Tensor | None
+    spike: Tensor | None = None
+    norm: Tensor | None = None
 
 
-class NonFiniteGuard:
+class Guard:
     """Decides whether an update is applied and counts the skipped ones.
 
     Args:
-        model: The custom_fit model whose `skip_nonfinite` and
-            `max_consecutive_skipped_steps` options apply.
+        model: The custom_fit model whose `skip_nonfinite`,
+            `max_consecutive_skipped_steps` and spike options apply.
     """
 
     def __init__(self, model: Any) -> None:
         self._model = model
         self.counter: Any = None
+        self.norm_average: Any = None
+        self.norm_count: Any = None
+        holder = _model_state.state_of(model).holder
         if model.skip_nonfinite:
             self.counter = _state.state_variable(
                 (), "int32", "consecutive_skipped_steps"
             )
-            _model_state.state_of(model).holder.track(self.counter)
+            holder.track(self.counter)
+        if model.skip_gradient_norm_ratio_above is not None:
+            self.norm_average = _state.state_variable(
+                (), "float32", "gradient_norm_average"
+            )
+            self.norm_count = _state.state_variable(
+                (), "int32", "gradient_norm_count"
+            )
+            holder.track(self.norm_average)
+            holder.track(self.norm_count)
 
     @property
     def active(self) -> bool:
@@ -115,7 +141,33 @@ class NonFiniteGuard:
             explained = ops.greater(
                 ops.cast(pipeline.loss_scale(optimizer), "float32"), 1.0
             )
-        return Verdict(finite, explained)
+        if not self._watches_spikes():
+            return Verdict(finite, explained)
+        norm = clipping.global_norm(gradients)
+        spike = spikes.is_spike(
+            norm,
+            bound=self._model._option_in_step("skip_gradient_norm_above"),
+            ratio=self._model._option_in_step("skip_gradient_norm_ratio_above"),
+            average=self._read(self.norm_average),
+            count=self._read(self.norm_count),
+            warmup_steps=self._model.gradient_norm_warmup_steps,
+            decay=self._model.gradient_norm_average_decay,
+        )
+        spike = ops.logical_and(finite, spike)
+        apply = ops.logical_and(finite, ops.logical_not(spike))
+        return Verdict(apply, explained, spike, norm)
+
+    def _watches_spikes(self) -> bool:
+        """Whether a spike option is set (with the guard on)."""
+        model = self._model
+        return self.active and (
+            model.skip_gradient_norm_above is not None
+            or model.skip_gradient_norm_ratio_above is not None
+        )
+
+    @staticmethod
+    def _read(variable: Any) -> Any:
+        return None if variable is None else backend.current().read(variable)
 
     def record(self, verdict: Verdict, is_update: Tensor | None) -> None:
         """Counts a skipped update in `skipped_steps` and the streak counter.
@@ -127,7 +179,7 @@ class NonFiniteGuard:
         """
         if not self.active:
             return
-        skipped = ops.logical_not(verdict.finite)
+        skipped = ops.logical_not(verdict.apply)
         if is_update is not None:
             skipped = ops.logical_and(is_update, skipped)
         self._model._report(
@@ -136,6 +188,24 @@ class NonFiniteGuard:
             reduction="sum",
             held=False,
         )
+        if verdict.spike is not None:
+            spike = verdict.spike
+            if is_update is not None:
+                spike = ops.logical_and(is_update, spike)
+            self._model._report(
+                "skipped_spikes",
+                ops.cast(spike, "float32"),
+                reduction="sum",
+                held=False,
+            )
+        self._count_consecutive(verdict, skipped, is_update)
+        if self.norm_average is not None and verdict.norm is not None:
+            self._average_applied(verdict, is_update)
+
+    def _count_consecutive(
+        self, verdict: Verdict, skipped: Tensor, is_update: Tensor | None
+    ) -> None:
+        """Updates the streak counter of `max_consecutive_skipped_steps`."""
         count = backend.current().read(self.counter)
         counts = skipped
         if verdict.explained is not None:
@@ -153,6 +223,24 @@ class NonFiniteGuard:
             # a streak inside one `steps_per_execution` call is not lost.
             new_count = ops.where(count > limit, count, new_count)
         self.counter.assign(new_count)
+
+    def _average_applied(
+        self, verdict: Verdict, is_update: Tensor | None
+    ) -> None:
+        """Adds an applied update's norm to the running average."""
+        applied = verdict.apply
+        if is_update is not None:
+            applied = ops.logical_and(is_update, applied)
+        average = backend.current().read(self.norm_average)
+        count = backend.current().read(self.norm_count)
+        new_average, new_count = spikes.updated_average(
+            average,
+            count,
+            verdict.norm,
+            self._model.gradient_norm_average_decay,
+        )
+        self.norm_average.assign(ops.where(applied, new_average, average))
+        self.norm_count.assign(ops.where(applied, new_count, count))
 
     def restart(self) -> None:
         """Starts a new count of consecutive skipped steps (each `fit`)."""

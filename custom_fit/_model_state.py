@@ -20,7 +20,7 @@ class ModelState:
     Attributes:
         options: Dict of option name to its validated value.
         metrics: The `report_metric` registry (`_step_metrics.StepMetrics`).
-        guard: The non-finite guard (`_guard.NonFiniteGuard`), made when
+        guard: The guard of `skip_nonfinite` (`_guard.Guard`), made when
             the options are configured.
         holder: The `_state.StateHolder` listing the model's state
             variables and the optimizers its networks are updated with.

@@ -71,6 +71,55 @@ def positive_float_or_none(name: str, value: Any) -> float | None:
     return number
 
 
+def float_above_one_or_none(name: str, value: Any) -> float | None:
+    """Returns `value` as a float greater than 1, or `None`.
+
+    Args:
+        name: String. The argument's name, used in the error message.
+        value: The value received.
+
+    Returns:
+        `None`, or `value` as a Python float.
+
+    Raises:
+        ValueError: If `value` is not `None` and not a finite number
+            greater than 1.
+    """
+    if value is None:
+        return None
+    number = _as_finite_float(value)
+    if number is None or number <= 1:
+        raise ValueError(
+            f"`{name}` must be a finite float greater than 1 (a ratio to "
+            f"the running average), or None to turn it off. Received: "
+            f"{name}={shown(value)}. Pass for example {name}=5.0."
+        )
+    return number
+
+
+def fraction(name: str, value: Any) -> float:
+    """Returns `value` as a float strictly between 0 and 1.
+
+    Args:
+        name: String. The argument's name, used in the error message.
+        value: The value received.
+
+    Returns:
+        `value` as a Python float.
+
+    Raises:
+        ValueError: If `value` is not a number in the open interval (0, 1).
+    """
+    number = _as_finite_float(value)
+    if number is None or not 0 < number < 1:
+        raise ValueError(
+            f"`{name}` must be a float between 0 and 1 (both excluded). "
+            f"Received: {name}={shown(value)}. Pass for example "
+            f"{name}=0.99."
+        )
+    return number
+
+
 def is_schedule(value: Any) -> bool:
     """Returns whether `value` is a Keras schedule (`LearningRateSchedule`)."""
     return isinstance(value, keras.optimizers.schedules.LearningRateSchedule)

@@ -95,7 +95,26 @@ class TrainStepMixin(_keras_compat.PrivateOverrides):
             `skip_nonfinite=True`, the number of consecutive skipped steps
             after which training stops with a `RuntimeError`. Checked after
             each call of the train function (every `steps_per_execution`
-            steps). Defaults to 20; `None` for no limit.
+            steps). Defaults to 20; `None` for no limit. Skipped spikes
+            count too.
+        skip_gradient_norm_above: Float, schedule or `None`. With
+            `skip_nonfinite=True`, a step whose true global gradient norm
+            (before any transform; with accumulation, of the averaged
+            gradient of the update) exceeds it is skipped as a non-finite
+            one is: nothing changes, and `logs["skipped_spikes"]` counts
+            it besides `skipped_steps`. Defaults to `None` (off).
+        skip_gradient_norm_ratio_above: Float greater than 1, schedule or
+            `None`. With `skip_nonfinite=True`, a step whose true global
+            gradient norm exceeds this many times the running average of
+            the norms of the updates applied so far is skipped (a spike).
+            The average is an exponential moving average kept in the
+            model's state (bias-corrected, updated only by applied
+            updates); the rule applies once `gradient_norm_warmup_steps`
+            updates were applied. Defaults to `None` (off).
+        gradient_norm_average_decay: Float in (0, 1). The decay of that
+            running average. Defaults to 0.99.
+        gradient_norm_warmup_steps: Integer. Applied updates before the
+            relative rule applies. Defaults to 20.
         layer_depth: Integer. How deep layers nest in the groups of
             inspection and of `layer_clipnorm`/`clip_layers`: 1 (default)
             groups by the entries of `model.layers`; 2 splits a model used
@@ -133,13 +152,39 @@ class TrainStepMixin(_keras_compat.PrivateOverrides):
     """
 
     # Metric names the mixin reports (see `_options.declared_reports`).
-    reports: tuple[str, ...] = ("skipped_steps",)
+    reports: tuple[str, ...] = (
+        "skipped_steps",
+        "skipped_spikes",
+        "skip_gradient_norm_above",
+        "skip_gradient_norm_ratio_above",
+    )
     # Whether the mixin groups gradients by layer on its own (inspection).
     groups_by_layer = False
 
     skip_nonfinite = _options.Option(False, _validation.boolean)
     max_consecutive_skipped_steps = _options.Option(
         20, _validation.positive_int_or_none, requires=("skip_nonfinite",)
+    )
+    skip_gradient_norm_above = _options.Option(
+        None,
+        _validation.positive_float_or_none,
+        requires=("skip_nonfinite",),
+        bound=True,
+        schedulable=True,
+    )
+    skip_gradient_norm_ratio_above = _options.Option(
+        None,
+        _validation.float_above_one_or_none,
+        requires=("skip_nonfinite",),
+        schedulable=True,
+    )
+    gradient_norm_average_decay = _options.Option(
+        0.99, _validation.fraction, requires=("skip_gradient_norm_ratio_above",)
+    )
+    gradient_norm_warmup_steps = _options.Option(
+        20,
+        _validation.positive_int,
+        requires=("skip_gradient_norm_ratio_above",),
     )
     gradient_accumulation_steps = _options.Option(
         None, _validation.positive_int_or_none
@@ -182,7 +227,7 @@ class TrainStepMixin(_keras_compat.PrivateOverrides):
         )
         _options.store_options(self, options, dtype)
         state = _model_state.state_of(self)
-        state.guard = _guard.NonFiniteGuard(self)
+        state.guard = _guard.Guard(self)
 
     @property
     def layers(self) -> list[keras.layers.Layer]:
@@ -626,7 +671,7 @@ class TrainStepMixin(_keras_compat.PrivateOverrides):
             gradients, is_update = accumulator.accumulate(gradients)
         transformed = self._transformed(gradients, variables)
         verdict = guard.decide(gradients, transformed, optimizer)
-        applied = verdict.finite if guard.active else None
+        applied = verdict.apply if guard.active else None
         if is_update is None:
             counted = applied
         # Reports from here on (inspection) are about the update.
@@ -711,13 +756,13 @@ class TrainStepMixin(_keras_compat.PrivateOverrides):
 
         if is_update is None:
             inspect()
-            apply(transformed, verdict.finite)
+            apply(transformed, verdict.apply)
             return
         pipeline.run_if(is_update, inspect)
         pipeline.run_if(
             is_update,
             apply,
-            args=(transformed, verdict.finite),
+            args=(transformed, verdict.apply),
             synchronized=True,
         )
 

@@ -289,11 +289,13 @@ class MultiOptimizerEmaTest(Case):
             testing.max_difference(hidden, recorder.weights[-1][:2]), 1e-3
         )
 
-    @pytest.mark.skipif(
-        not hasattr(keras.optimizers, "MultiOptimizer"),
-        reason="SwapEMAWeights swaps the averages of an optimizer's groups "
-        f"from Keras 3.15; installed: Keras {keras.__version__}",
-    )
+
+@pytest.mark.skipif(
+    not hasattr(keras.optimizers, "MultiOptimizer"),
+    reason="SwapEMAWeights swaps the averages of an optimizer's groups "
+    f"from Keras 3.15; installed: Keras {keras.__version__}",
+)
+class SwapEmaWeightsOfGroupsTest(Case):
     @parameterized.named_parameters(
         ("", False),
         ("_on_epoch", True),

@@ -204,7 +204,6 @@ class KerasMultiOptimizerTest(Case):
             fit(model, x, y, epochs=1)
 
     @parameterized.named_parameters(
-        ("eager", dict(run_eagerly=True)),
         ("jit", dict(jit_compile=True)),
         ("steps_per_execution", dict(jit_compile=False, steps_per_execution=4)),
     )

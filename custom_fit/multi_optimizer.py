@@ -26,6 +26,9 @@ class MultiOptimizer(keras.optimizers.Optimizer):
     first; then each group's optimizer applies its share. On a skipped step
     no group applies. `optimizer.iterations` counts updates of the whole
     model; each group's optimizer keeps its own count (for its schedule).
+    A group's optimizer may average its weights (`use_ema=True`): `fit`
+    ends with them replaced by their average, and from Keras 3.15
+    `keras.callbacks.SwapEMAWeights` swaps them in for evaluation.
 
     Every trainable variable must be in exactly one group: one in no group,
     or in two, is refused when the optimizer is built (at the first `fit`),
@@ -159,6 +162,23 @@ class MultiOptimizer(keras.optimizers.Optimizer):
             if pairs:
                 optimizer.apply([g for g, _ in pairs], [v for _, v in pairs])
         self._iterations.assign_add(1)
+
+    def finalize_variable_values(self, var_list: Sequence[Variable]) -> None:
+        """Lets each group's optimizer finalize its variables.
+
+        Keras calls it at the end of `fit`: a group whose optimizer keeps
+        an average of the weights (`use_ema=True`) then gets its weights
+        replaced by the average, as a single optimizer's would.
+
+        Args:
+            var_list: The model's trainable variables.
+        """
+        for index, (optimizer, _) in enumerate(self._groups):
+            members = [
+                v for v in var_list if self._group_of.get(id(v)) == index
+            ]
+            if members:
+                optimizer.finalize_variable_values(members)
 
     def get_config(self) -> dict[str, Any]:
         """Returns each group's optimizer (serialized) and layer names."""

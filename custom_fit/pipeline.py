@@ -87,12 +87,48 @@ def _multiply(
     """
     return [
         g
-        if g is None or getattr(v, "overwrite_with_gradient", False)
+        if g is None or is_overwritten(v)
         else _gradient_ops.map_values(
             lambda values: values * ops.cast(factor, values.dtype), g
         )
         for g, v in zip(gradients, variables)
     ]
+
+
+def is_overwritten(variable: Variable) -> bool:
+    """Whether Keras overwrites `variable` with its gradient (float8 state).
+
+    Keras' optimizer writes such a variable's "gradient" (a new value the
+    layer computed, not a derivative) into it directly, without unscaling,
+    clipping or any update rule.
+    """
+    return bool(getattr(variable, "overwrite_with_gradient", False))
+
+
+def split_overwritten(
+    gradients: Sequence[Gradient], variables: Sequence[Variable]
+) -> tuple[Gradients, list[Variable], list[tuple[Any, Variable]]]:
+    """Separates the variables Keras overwrites with their gradient.
+
+    Args:
+        gradients: List aligned with `variables`.
+        variables: The variables of an update.
+
+    Returns:
+        `(gradients, variables, overwritten)`: the gradients and variables
+        of the update proper, and the `(new value, variable)` pairs of the
+        overwritten ones (those with a value).
+    """
+    kept_gradients: Gradients = []
+    kept_variables: list[Variable] = []
+    overwritten: list[tuple[Any, Variable]] = []
+    for gradient, variable in zip(gradients, variables):
+        if not is_overwritten(variable):
+            kept_gradients.append(gradient)
+            kept_variables.append(variable)
+        elif gradient is not None:
+            overwritten.append((gradient, variable))
+    return kept_gradients, kept_variables, overwritten
 
 
 def true_gradients(
@@ -121,7 +157,15 @@ def true_gradients(
     scale = loss_scale(optimizer)
     if scale is not None:
         gradients = _multiply(gradients, variables, 1.0 / scale)
-    return all_reduce_sum(gradients)
+    summed = all_reduce_sum(gradients)
+    replicas = replica_count()
+    if replicas == 1:
+        return summed
+    # An overwritten variable's new value: the replicas' mean, not a sum.
+    return [
+        g / replicas if g is not None and is_overwritten(v) else g
+        for g, v in zip(summed, variables)
+    ]
 
 
 def compute_true_gradients(

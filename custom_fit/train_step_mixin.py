@@ -659,9 +659,16 @@ class TrainStepMixin(_keras_compat.PrivateOverrides):
         """Runs the pipeline after `compute_gradients`.
 
         From true gradients to the update, through accumulation,
-        transforms, inspection and the guard.
+        transforms, inspection and the guard. Variables that Keras
+        overwrites with their "gradient" (`overwrite_with_gradient`: the
+        scales and amax history of float8 layers) pass through none of it:
+        their values are written as they are, as Keras' optimizer does,
+        when the batch counts.
         """
         guard = _model_state.state_of(self).guard
+        gradients, variables, overwritten = pipeline.split_overwritten(
+            gradients, variables
+        )
         # Whether the batch counts in the epoch's figures: its own
         # gradients are finite (with accumulation), or the update is applied.
         counted = guard.batch_is_finite(gradients)
@@ -680,6 +687,8 @@ class TrainStepMixin(_keras_compat.PrivateOverrides):
             gradients, transformed, variables, optimizer, verdict, is_update
         )
         guard.record(verdict, is_update)
+        if overwritten:
+            _write_overwritten(overwritten, counted)
         if is_update is not None:
             applied = (
                 is_update
@@ -1354,6 +1363,28 @@ class _StepStart:
 def _copies(variables: Sequence[Variable]) -> list[Tensor]:
     """Returns a copy of each variable's current value."""
     return [backend.current().copy(v) for v in variables]
+
+
+def _write_overwritten(
+    overwritten: list[tuple[Any, Variable]], counted: Tensor | None
+) -> None:
+    """Writes new values into variables Keras overwrites (float8 state).
+
+    Written at every batch that counts (skipped batches change nothing),
+    also on the micro-batches of gradient accumulation: they are the
+    layers' statistics of each batch, not gradients to average.
+    """
+    variables = [variable for _, variable in overwritten]
+    values = [value for value, _ in overwritten]
+    if counted is None:
+        pipeline.assign_variables(variables, values)
+        return
+    pipeline.run_if(
+        counted,
+        lambda values: pipeline.assign_variables(variables, values),
+        args=(values,),
+        synchronized=True,
+    )
 
 
 def _refuse_stateless_step_overrides(cls: type) -> None:

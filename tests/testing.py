@@ -216,12 +216,16 @@ def tape_gradients(model, x, y, loss_fn):
         return [np.asarray(g) for g in grads]
     import tensorflow as tf
 
-    with tf.GradientTape() as tape:
-        loss = loss_fn(y, model(x, training=True))
-        if model.losses:
-            loss = loss + tf.add_n(model.losses)
-    grads = tape.gradient(loss, model.trainable_variables)
-    return [tf.convert_to_tensor(g).numpy() for g in grads]
+    def gradients():
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+            if model.losses:
+                loss = loss + tf.add_n(model.losses)
+        grads = tape.gradient(loss, model.trainable_variables)
+        return [tf.convert_to_tensor(g) for g in grads]
+
+    # Traced: some layers' custom gradients (float8) work in graphs only.
+    return [g.numpy() for g in tf.function(gradients)()]
 
 
 def numpy_adaptive_clip(grad, weight, clipping_ratio, eps):

@@ -95,14 +95,17 @@ def build(name):
     if name == "pcgrad":
         outputs = {
             "a": dense[1](hidden),
-            "b": keras.layers.Dense(CLASSES)(hidden),
+            "b": keras.layers.Dense(
+                CLASSES,
+                kernel_initializer=keras.initializers.GlorotUniform(seed=3),
+            )(hidden),
         }
     else:
         outputs = dense[1](hidden)
     model = model_class(inputs, outputs, **options)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     model.compile(
-        optimizer=keras.optimizers.Adam(0.01),
+        optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
         loss={"a": loss, "b": loss} if name == "pcgrad" else loss,
     )
     return model

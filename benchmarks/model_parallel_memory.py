@@ -17,7 +17,10 @@ steps, twice; then, per device:
   figures: the variables its JAX step carries beside Keras' state) against
   those of the model's weight shards, on the fullest device;
 - how many times the step was compiled over the two `fit` calls
-  (`_cache_size()` of the jitted step; 1 when nothing recompiles).
+  (`_cache_size()` of the jitted step; 1 when nothing recompiles);
+- the largest array a collective of the compiled step makes (a gather of
+  a whole sharded kernel would show here) and the largest array of the
+  step (its per-device HLO).
 
 Ratios are to plain Keras on the same network in the same run; the row
 `keras_again`, a second plain Keras model, is the A/A check (1.00 when the
@@ -246,6 +249,23 @@ def per_device_bytes(values):
     return max(totals.values(), default=0)
 
 
+# An array type in HLO text, and one that a collective op returns.
+_ARRAY = re.compile(r"\b([a-z]+[0-9]*)\[([0-9,]+)\]")
+_COLLECTIVE = re.compile(
+    r"= ([a-z]+[0-9]*)\[([0-9,]+)\][^ ]* "
+    r"(?:all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)"
+)
+
+
+def largest_array(hlo, pattern):
+    """Returns the type with the most elements that `pattern` finds."""
+    found = {
+        f"{dtype}[{dims}]": int(np.prod([int(d) for d in dims.split(",")]))
+        for dtype, dims in pattern.findall(hlo)
+    }
+    return max(found, key=found.get, default="-")
+
+
 def measure(name):
     """Builds and trains one configuration; returns its figures."""
     model_class, kwargs, heads = CONFIGURATIONS[name]
@@ -265,9 +285,9 @@ def measure(name):
     # The step `fit` called (Keras may have made, unused, its own).
     (recorder,) = [r for r in _RECORDED if r.arguments is not None]
     compilations = recorder.jitted._cache_size()
-    analysis = (
-        recorder.jitted.lower(*recorder.arguments).compile().memory_analysis()
-    )
+    compiled = recorder.jitted.lower(*recorder.arguments).compile()
+    analysis = compiled.memory_analysis()
+    hlo = compiled.as_text()
     own = []
     if recorder.function is not None:
         own = [v.value for v in recorder.function.own_variables()]
@@ -280,6 +300,8 @@ def measure(name):
             [v.value for v in model.trainable_variables]
         ),
         "compilations": compilations,
+        "largest_collective": largest_array(hlo, _COLLECTIVE),
+        "largest_array": largest_array(hlo, _ARRAY),
         "baseline": "keras" if heads == 1 else "keras_two_heads",
     }
 
@@ -316,8 +338,9 @@ def main(argv):
         "| configuration | step scratch KB | scratch vs keras | arguments KB |"
         " arguments vs keras | outputs KB | custom_fit state KB |"
         " weight shards KB | state / weights | compilations |"
+        " largest collective | largest array |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, figures in results.items():
         base = results[figures["baseline"]]
         print(
@@ -329,7 +352,8 @@ def main(argv):
             f" {figures['state'] / 1024:.1f} |"
             f" {figures['weights'] / 1024:.1f} |"
             f" {figures['state'] / figures['weights']:.2f} |"
-            f" {figures['compilations']} |",
+            f" {figures['compilations']} |"
+            f" {figures['largest_collective']} | {figures['largest_array']} |",
             flush=True,
         )
 

@@ -46,15 +46,16 @@ def _new_figures(callback: Any) -> bool:
     """Returns whether the model inspected a step since the last call.
 
     With `inspect_every > 1`, gradient accumulation or before the first
-    inspected step, the figures may be those already written (or none).
-    `on_train_begin` sets `callback._last_mark` to the figures found then,
-    which belong to an earlier fit.
+    inspected step, the figures may be those already written (or none:
+    the state exists once a step was traced, with a count of 0 until a
+    step is inspected). `on_train_begin` sets `callback._last_mark` to the
+    figures found then, which belong to an earlier fit.
     """
     mark = _inspection_mark(callback.model)
     if mark == callback._last_mark:
         return False
     callback._last_mark = mark
-    return True
+    return mark[1] > 0
 
 
 def _update_freq(value: Any) -> int | str:

@@ -44,7 +44,11 @@ class GradientInspectionMixin(TrainStepMixin):
       dict, for `"norm"` and each of `gradient_statistics`.
     - `model.layer_gradients` (with `keep_gradients=True`): dict of layer
       name to the list of its gradients as NumPy arrays, in
-      `layer.trainable_variables` order.
+      `layer.trainable_variables` order. With several processes, a
+      gradient split over devices of other processes (a kernel laid out
+      along a model axis that spans hosts) is gathered from every process:
+      every process must read it at the same point, as callbacks do (not
+      in process 0 alone).
     - `logs["grad_norm"]`: the global norm, as a running mean over the epoch
       like the loss; `logs["grad_norm_step"]`: the global norm of the step
       itself (a batch-level callback sees each step's, which a running mean

@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests import testing
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -47,3 +49,56 @@ class BenchmarkSmokeTest(testing.TestCase):
         self.assertGreater(float(rows[1][6]), 100)  # peak memory in MB
         # The summary puts the stacked configuration next to its target.
         self.assertRegex(summary, r"\| stacked \| [0-9.]+ \((ok|over) 1.15\)")
+
+    @pytest.mark.jax
+    def test_model_parallel_memory_prints_a_table(self):
+        """A tiny MLP on the 2x4 mesh prints one row per configuration, the
+        baselines added first; plain Keras against itself is 1.00, every
+        step compiled once, and accumulation's state per device is about
+        that of the weight shards (not the 4x of replicated sums)."""
+        env = dict(os.environ)
+        env.pop("XLA_FLAGS", None)  # the script forces its 8 devices
+        result = subprocess.run(
+            [
+                sys.executable,
+                os.path.join(_ROOT, "benchmarks", "model_parallel_memory.py"),
+                "--features=8",
+                "--width=8",
+                "--classes=4",
+                "--batch_size=8",
+                "--steps=2",
+                "--configurations=keras_again,accumulation_4,pcgrad",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
+            env=env,
+        )
+        self.assertEqual(result.returncode, 0, result.stderr[-3000:])
+        table = [
+            [cell.strip() for cell in line.strip("|").split("|")]
+            for line in result.stdout.splitlines()
+            if line.startswith("| ")
+        ]
+        header = table[0]
+        rows = {cells[0]: dict(zip(header, cells)) for cells in table[1:]}
+        self.assertEqual(
+            list(rows),
+            [
+                "keras",
+                "keras_two_heads",
+                "keras_again",
+                "accumulation_4",
+                "pcgrad",
+            ],
+        )
+        self.assertIn("of 8 host devices", result.stdout)
+        for name in ("keras", "keras_again", "keras_two_heads"):
+            self.assertEqual(rows[name]["scratch vs keras"], "1.00")
+            self.assertEqual(rows[name]["arguments vs keras"], "1.00")
+        for row in rows.values():
+            self.assertEqual(row["compilations"], "1")
+        # The sums, sharded as the weights, and a counter.
+        state = float(rows["accumulation_4"]["state / weights"])
+        self.assertBetween(state, 1.0, 1.1)

@@ -142,6 +142,25 @@ class GradientTensorBoardTest(testing.TestCase):
         steps = [e.step for e in accumulator.Tensors("gradient_norm/hidden")]
         self.assertEqual(steps, [1, 2, 3, 4])
 
+    def test_accumulating_batches_write_nothing(self):
+        """With gradient_accumulation_steps=2, the batches that only add to
+        the sums inspect nothing: the figures of updates 1 and 2 are
+        written, none at step 0."""
+        log_dir = tempfile.mkdtemp()
+        board = callbacks.GradientTensorBoard(
+            log_dir, update_freq=1, histograms=True
+        )
+        fitted(
+            [board],
+            epochs=1,
+            gradient_accumulation_steps=2,
+            keep_gradients=True,
+        )
+        accumulator, _ = event_tags(os.path.join(log_dir, "train"))
+        for tag in ("gradient_norm/hidden", "gradients/hidden"):
+            steps = [e.step for e in accumulator.Tensors(tag)]
+            self.assertEqual(steps, [1, 2])
+
     def test_reused_on_another_model_writes_its_first_step(self):
         """Moved to another model, it writes that model's first step."""
         board = callbacks.GradientTensorBoard(
@@ -248,6 +267,18 @@ class GradientNormHistoryTest(testing.TestCase):
         self.assertEqual(
             history.norms["hidden"][-1], model.gradient_norms["hidden"]
         )
+
+    def test_records_each_update_once_when_accumulating(self):
+        """With gradient_accumulation_steps=2 over 4 batches, the updates 1
+        and 2 are recorded, and nothing for the first batch, which
+        inspected no step."""
+        history = callbacks.GradientNormHistory()
+        model = fitted([history], epochs=1, gradient_accumulation_steps=2)
+        self.assertEqual(history.steps, [1, 2])
+        self.assertEqual(
+            history.norms["hidden"][-1], model.gradient_norms["hidden"]
+        )
+        self.assertGreater(min(history.norms["hidden"]), 0)
 
     def test_plot_leaves_the_backend_alone(self):
         """plot() writes a valid PNG without switching the backend in use."""

@@ -1,14 +1,23 @@
 """JAX over two processes on 127.0.0.1: keras.distribution, CPU gloo."""
 
+import concurrent.futures
 import os
 import tempfile
 
 import numpy as np
 import pytest
+from tensorboard.util import tensor_util
 
 from tests import testing
+from tests.callbacks_test import event_tags
 
 _EXAMPLE = os.path.join(testing.EXAMPLES_DIR, "jax_multi_process.py")
+_HOSTS = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)),
+    "scripts",
+    "model_parallel_hosts.py",
+)
+_LAYERS = ("hidden_1", "hidden_2", "logits")
 _TIMEOUT = 420  # seconds for the whole run, processes included
 
 
@@ -51,4 +60,114 @@ class JaxMultiProcessTest(testing.TestCase):
             )
             self.assertAllClose(
                 processes[0][key], single[key], atol=1e-6, rtol=0
+            )
+
+    def test_model_parallel_reads_agree_across_processes(self):
+        """ModelParallel on a 2x4 mesh whose model axis spans two processes,
+        with clipping, accumulation and kept gradients: the gradient figures
+        read mid-epoch from a closure and through a callback's `self.model`,
+        after `fit`, and by custom_fit's callbacks, are the same in both
+        processes and equal (atol 1e-6) to one process on the same mesh and
+        to one device (the oracle)."""
+        output_dir = tempfile.mkdtemp()
+        env = dict(os.environ, KERAS_BACKEND="jax")
+        env.pop("XLA_FLAGS", None)  # the script forces its own devices
+        runs = [f"--processes={count}" for count in (2, 1)]
+        with concurrent.futures.ThreadPoolExecutor(len(runs)) as pool:
+            list(
+                pool.map(
+                    lambda run: testing.run_bounded(
+                        _HOSTS,
+                        run,
+                        f"--output_dir={output_dir}",
+                        "--timeout=400",
+                        timeout=_TIMEOUT,
+                        env=env,
+                    ),
+                    runs,
+                )
+            )
+        labels = ("process_0", "process_1", "devices_8", "devices_1")
+        saved = {
+            label: dict(np.load(os.path.join(output_dir, f"{label}.npz")))
+            for label in labels
+        }
+        oracle = saved["devices_1"]
+        self.assertEqual(oracle["kernel_devices"], 1)
+        for label in labels[:3]:
+            # Each row of the mesh splits a kernel over devices of both
+            # processes (in one process, of that one).
+            processes = [[0, 1]] * 2 if label != "devices_8" else [[0]] * 2
+            self.assertEqual(
+                saved[label].pop("model_axis_processes").tolist(), processes
+            )
+            self.assertEqual(saved[label]["kernel_devices"], 8)
+            saved[label]["kernel_devices"] = oracle["kernel_devices"]
+        for label in labels[:3]:
+            self.assertEqual(sorted(saved[label]), sorted(oracle), label)
+            for key, value in oracle.items():
+                self.assertAllClose(
+                    saved[label][key], value, atol=1e-6, rtol=0, msg=key
+                )
+                if label == "process_1":  # the same arrays, whole
+                    np.testing.assert_array_equal(
+                        saved[label][key], saved["process_0"][key]
+                    )
+        self._check_reads(saved["process_1"])
+        for label in labels:
+            self._check_event_files(output_dir, label, oracle)
+
+    def _check_reads(self, saved):
+        """The reads are of the trained step: a closure reads what a
+        callback's `self.model` reads, `fit` ends with the last batch's
+        figures, the norms are those of the kept gradients, and the
+        history keeps the norm of every update."""
+        batches = 96 // 16
+        last = f"1/{batches - 1}"
+        for key in [k for k in saved if k.startswith(f"closure/{last}/")]:
+            name = key[len(f"closure/{last}/") :]
+            self.assertAllClose(saved[f"callback/{last}/{name}"], saved[key])
+            self.assertAllClose(saved[f"after_fit/{name}"], saved[key])
+        for layer in _LAYERS:
+            kept = [
+                saved[f"after_fit/layer_gradients/{layer}/{i}"] for i in (0, 1)
+            ]
+            self.assertAllClose(
+                saved[f"after_fit/gradient_norms/{layer}"],
+                np.sqrt(sum(np.sum(np.square(g)) for g in kept)),
+                atol=1e-6,
+                rtol=1e-5,
+            )
+            self.assertGreater(saved[f"after_fit/gradient_norms/{layer}"], 0)
+            # Every second batch ends an accumulation and is inspected.
+            self.assertAllClose(
+                saved[f"history/{layer}"],
+                [
+                    saved[f"closure/{epoch}/{batch}/gradient_norms/{layer}"]
+                    for epoch in (0, 1)
+                    for batch in range(1, batches, 2)
+                ],
+            )
+        self.assertEqual(saved["history/steps"].tolist(), list(range(1, 7)))
+
+    def _check_event_files(self, output_dir, label, oracle):
+        """GradientTensorBoard wrote every layer's norms (as the oracle's
+        history has them) and histograms in this run's own directory."""
+        accumulator, tags = event_tags(
+            os.path.join(output_dir, f"logs_{label}", "train")
+        )
+        expected = {f"gradient_norm/{layer}" for layer in _LAYERS}
+        expected |= {f"gradients/{layer}" for layer in _LAYERS}
+        self.assertEqual(tags, expected)
+        for layer in _LAYERS:
+            events = accumulator.Tensors(f"gradient_norm/{layer}")
+            self.assertEqual(
+                [event.step for event in events], list(range(1, 7))
+            )
+            self.assertAllClose(
+                [
+                    float(tensor_util.make_ndarray(e.tensor_proto))
+                    for e in events
+                ],
+                oracle[f"history/{layer}"],
             )

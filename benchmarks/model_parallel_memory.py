@@ -250,20 +250,24 @@ def per_device_bytes(values):
 
 
 # An array type in HLO text, and one that a collective op returns.
-_ARRAY = re.compile(r"\b([a-z]+[0-9]*)\[([0-9,]+)\]")
-_COLLECTIVE = re.compile(
+ARRAY = re.compile(r"\b([a-z]+[0-9]*)\[([0-9,]+)\]")
+COLLECTIVE = re.compile(
     r"= ([a-z]+[0-9]*)\[([0-9,]+)\][^ ]* "
     r"(?:all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)"
 )
 
 
 def largest_array(hlo, pattern):
-    """Returns the type with the most elements that `pattern` finds."""
+    """Returns `(type, elements)` of the largest array `pattern` finds.
+
+    `("-", 0)` when the HLO text holds none.
+    """
     found = {
         f"{dtype}[{dims}]": int(np.prod([int(d) for d in dims.split(",")]))
         for dtype, dims in pattern.findall(hlo)
     }
-    return max(found, key=found.get, default="-")
+    largest = max(found, key=found.get, default="-")
+    return largest, found.get(largest, 0)
 
 
 def measure(name):
@@ -300,8 +304,8 @@ def measure(name):
             [v.value for v in model.trainable_variables]
         ),
         "compilations": compilations,
-        "largest_collective": largest_array(hlo, _COLLECTIVE),
-        "largest_array": largest_array(hlo, _ARRAY),
+        "largest_collective": largest_array(hlo, COLLECTIVE)[0],
+        "largest_array": largest_array(hlo, ARRAY)[0],
         "baseline": "keras" if heads == 1 else "keras_two_heads",
     }
 

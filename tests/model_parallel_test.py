@@ -36,7 +36,7 @@ _ALL = (
     "privacy_microbatches",
 )
 # Under `distribution.scope()` only, the configurations with state.
-_SCOPE = ("inspection", "accumulation", "pcgrad", "privacy")
+_SCOPE = ("train_step", "inspection", "accumulation", "pcgrad", "privacy")
 
 
 @functools.cache
@@ -86,3 +86,9 @@ class ModelParallelTest(testing.TestCase):
         for kind, ratio in figures["state_ratio"].items():
             self.assertLessEqual(ratio, 1.1, kind)
         self.assertEqual(figures["full_kernels"], [])
+        # No collective larger than those of the step without options
+        # (Keras' own: activations and the batch's gradient sums).
+        baseline = results(distribution, run)["train_step"]
+        self.assertLessEqual(
+            figures["largest_collective"], baseline["largest_collective"]
+        )

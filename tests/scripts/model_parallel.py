@@ -13,7 +13,10 @@ JSON line per configuration:
 - `state_ratio`: per kind of weight-shaped state, its bytes per device
   over the weights' bytes per device;
 - `full_kernels`: shapes of whole sharded kernels found among the buffers
-  of the compiled step (its HLO after partitioning).
+  of the compiled step (its HLO after partitioning);
+- `largest_collective`: the elements of the largest array a collective op
+  of the compiled step makes (a gather of a whole sharded gradient would
+  be one).
 
     python tests/scripts/model_parallel.py --distribution=set
 """
@@ -22,6 +25,7 @@ import argparse
 import json
 import os
 import re
+import sys
 
 os.environ["KERAS_BACKEND"] = "jax"
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
@@ -33,6 +37,10 @@ import numpy as np  # noqa: E402
 import custom_fit  # noqa: E402
 from custom_fit import _model_state  # noqa: E402
 from custom_fit.backend import jax as jax_adapter  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+from benchmarks.model_parallel_memory import COLLECTIVE  # noqa: E402
+from benchmarks.model_parallel_memory import largest_array  # noqa: E402
 
 FEATURES, HIDDEN, CLASSES = 48, 160, 96  # distinct kernel shapes
 BATCH, SAMPLES, EPOCHS = 16, 64, 2
@@ -190,8 +198,11 @@ def weight_shaped_state(model):
     return found
 
 
-def full_kernel_shapes(captured):
-    hlo = captured.jitted.lower(*captured.arguments).compile().as_text()
+def compiled_text(captured):
+    return captured.jitted.lower(*captured.arguments).compile().as_text()
+
+
+def full_kernel_shapes(hlo):
     shapes = []
     for rows, cols in ((FEATURES, HIDDEN), (HIDDEN, CLASSES)):
         pattern = rf"f32\[(?:\d+,)*{rows},{cols}\]"
@@ -212,6 +223,7 @@ def check(name, mode):
             keras.distribution.set_distribution(None)
     finally:
         jax_adapter._StepFunction._compiled = original
+    hlo = compiled_text(captured)
     weights = max(
         float(np.max(np.abs(a - b)))
         for a, b in zip(model.get_weights(), single.get_weights())
@@ -231,7 +243,8 @@ def check(name, mode):
         layouts=layouts,
         compiles=captured.jitted._cache_size(),
         state_ratio=ratios,
-        full_kernels=full_kernel_shapes(captured),
+        full_kernels=full_kernel_shapes(hlo),
+        largest_collective=largest_array(hlo, COLLECTIVE)[1],
         weight_shardings=sorted(
             {str(v.value.sharding.spec) for v in model.trainable_variables}
         ),

@@ -1,19 +1,19 @@
 """`SharpnessAwareMixin`: SAM's two passes inside `fit`."""
 
-import warnings
+from collections.abc import Callable
+from collections.abc import Sequence
 from typing import Any
 
-import keras
-
-from custom_fit import _keras_compat
 from custom_fit import _model_state
 from custom_fit import _options
 from custom_fit import _validation
 from custom_fit import backend
 from custom_fit import pipeline
 from custom_fit import sharpness
-from custom_fit._types import Logs
+from custom_fit._types import Gradients
+from custom_fit._types import Optimizer
 from custom_fit._types import Tensor
+from custom_fit._types import Variable
 from custom_fit.train_step_mixin import TrainStepMixin
 
 
@@ -66,42 +66,49 @@ class SharpnessAwareMixin(TrainStepMixin):
         0.05, _validation.positive_float, bound=True, schedulable=True
     )
 
-    def train_step(self, data: Any) -> Logs:
-        """Runs SAM's two passes, then tracks the first pass's metrics.
+    def compute_gradients(
+        self,
+        loss_function: Callable[[], tuple[Tensor, Any]],
+        variables: Sequence[Variable] | None,
+        optimizer: Optimizer | None = None,
+    ) -> tuple[Tensor, Any, Gradients]:
+        """Returns the loss and output at `w`, and the true gradient at `w + e`.
+
+        The rest of the step (accumulation, transforms, inspection, the
+        guard, the update of `w`) is `TrainStepMixin`'s.
 
         Args:
-            data: A batch, as produced by the data adapter of `fit`.
+            loss_function: Callable of no arguments returning `(loss, aux)`.
+            variables: The variables to differentiate, or `None` for the
+                model's trainable variables.
+            optimizer: The optimizer of this update.
 
         Returns:
-            A dict of metric results.
+            A tuple `(loss, aux, gradients)`: the first pass's loss and aux
+            output (what the step logs), and the true gradients of the
+            second pass.
         """
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        before = self._begin_train_step()
-
-        def loss_function() -> tuple[Tensor, Any]:
-            y_pred = self.forward_pass(x, training=True)
-            loss = _keras_compat.compute_loss(
-                self, x, y, y_pred, sample_weight, training=True
-            )
-            return loss, y_pred
-
-        optimizer = self._prepared(None)
-        loss, y_pred, gradients = self.compute_gradients(
-            loss_function, None, optimizer=optimizer
+        optimizer = optimizer or self.optimizer
+        loss, aux, gradients = super().compute_gradients(
+            loss_function, variables, optimizer=optimizer
         )
-        variables = self.trainable_variables
-        if not variables:
-            warnings.warn(
-                "The model does not have any trainable weights.", stacklevel=2
-            )
-            return self._end_train_step(
-                x, y, y_pred, sample_weight, loss, None, before
-            )
-        weights = [backend.current().copy(v) for v in variables]
+        if variables is None:
+            variables = self.trainable_variables
+        # Float8 state (overwritten by Keras) is no weight to perturb: it
+        # keeps the first pass's values.
+        weighted = [
+            i for i, v in enumerate(variables) if not pipeline.is_overwritten(v)
+        ]
+        if not weighted:
+            return loss, aux, gradients
+        targets = [variables[i] for i in weighted]
+        weights = [backend.current().copy(v) for v in targets]
         pipeline.assign_variables(
-            variables,
+            targets,
             sharpness.perturbed_weights(
-                weights, gradients, self._option_in_step("sam_rho")
+                weights,
+                [gradients[i] for i in weighted],
+                self._option_in_step("sam_rho"),
             ),
         )
         metrics = _model_state.state_of(self).metrics
@@ -114,14 +121,12 @@ class SharpnessAwareMixin(TrainStepMixin):
             finally:
                 metrics.muted = False
 
-        perturbed_loss, _, perturbed_gradients = self.compute_gradients(
-            perturbed_loss_function, variables, optimizer=optimizer
+        _, _, perturbed = super().compute_gradients(
+            perturbed_loss_function, targets, optimizer=optimizer
         )
         # The gradient was taken at `w + e`; the update acts on `w`.
-        pipeline.assign_variables(variables, weights)
-        update = self._update(
-            perturbed_loss, None, perturbed_gradients, variables, optimizer
-        )
-        return self._end_train_step(
-            x, y, y_pred, sample_weight, loss, update.counted, before
-        )
+        pipeline.assign_variables(targets, weights)
+        gradients = list(gradients)
+        for i, gradient in zip(weighted, perturbed):
+            gradients[i] = gradient
+        return loss, aux, gradients

@@ -327,6 +327,24 @@ def numpy_clip(
     return grads
 
 
+# The oldest keras-hub the keras-hub tests and example run with. CI's wheel
+# step has Keras 3.11, under which pip installs an older keras-hub (0.32
+# needs Keras 3.15): those tests skip there, saying so.
+KERAS_HUB_MINIMUM = "0.32.0"
+
+
+def import_keras_hub():
+    """Returns `keras_hub`, or skips (the module, at import) with the reason:
+    not installed, or older than `KERAS_HUB_MINIMUM`."""
+    import pytest
+
+    return pytest.importorskip(
+        "keras_hub",
+        minversion=KERAS_HUB_MINIMUM,
+        reason="keras-hub is not installed (the `test` extra installs it)",
+    )
+
+
 EXAMPLES_DIR = os.path.join(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"
 )

@@ -29,6 +29,7 @@ results equal one device's:
 """
 
 import os
+import re
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -37,9 +38,13 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 # they are forced before Keras (and JAX) are imported.
 MESH_SHAPE = (2, 4)
 if "--model_parallel" in sys.argv[1:]:
+    _OTHER_XLA_FLAGS = re.sub(
+        r"--xla_force_host_platform_device_count=\d+",
+        "",
+        os.environ.get("XLA_FLAGS", ""),
+    )
     os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "")
-        + " --xla_force_host_platform_device_count=8"
+        _OTHER_XLA_FLAGS + " --xla_force_host_platform_device_count=8"
     ).strip()
 
 import keras  # noqa: E402
@@ -181,6 +186,15 @@ def main(argv):
     for name, values in history.history.items():
         print(f"{name}: {values[-1]:.6g}")
     print(f"trainable variables: {len(model.trainable_variables)}")
+    if _MODEL_PARALLEL.value:
+        (query,) = [
+            v
+            for v in backbone.weights
+            if v.path == "decoder_block_0/attention/query/kernel"
+        ]
+        print(f"devices: {len(keras.distribution.list_devices())}")
+        # A JAX array's sharding: how the kernel is split over the mesh.
+        print(f"layout of {query.path}: {query.value.sharding.spec}")
     prompt, _ = counting_corpus(1, _SEQUENCE_LENGTH.value, _SEED.value + 1)
     prompt["padding_mask"][:, 4:] = False  # the first 4 tokens, then generate
     generated = model.generate(

@@ -63,8 +63,10 @@ _SEQUENCE_LENGTH = flags.DEFINE_integer(
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", 32, "Global batch size.")
 _LORA_RANK = flags.DEFINE_integer("lora_rank", 4, "Rank of the LoRA factors.")
 _LEARNING_RATE = flags.DEFINE_float("learning_rate", 1e-2, "Adam step size.")
+# Below this tiny model's typical norm (about 0.1), so that clipping bites:
+# `clip_rate` is the share of steps it lowered the norm in.
 _GLOBAL_CLIPNORM = flags.DEFINE_float(
-    "global_clipnorm", 1.0, "Bound on the true global gradient norm."
+    "global_clipnorm", 0.05, "Bound on the true global gradient norm."
 )
 _MODEL_PARALLEL = flags.DEFINE_bool(
     "model_parallel",
@@ -195,8 +197,10 @@ def main(argv):
         print(f"devices: {len(keras.distribution.list_devices())}")
         # A JAX array's sharding: how the kernel is split over the mesh.
         print(f"layout of {query.path}: {query.value.sharding.spec}")
-    prompt, _ = counting_corpus(1, _SEQUENCE_LENGTH.value, _SEED.value + 1)
-    prompt["padding_mask"][:, 4:] = False  # the first 4 tokens, then generate
+    # Two prompts (the mesh splits every batch in two): their first 4
+    # tokens, then what the model generates.
+    prompt, _ = counting_corpus(2, _SEQUENCE_LENGTH.value, _SEED.value + 1)
+    prompt["padding_mask"][:, 4:] = False
     generated = model.generate(
         prompt, max_length=_SEQUENCE_LENGTH.value, stop_token_ids=None
     )

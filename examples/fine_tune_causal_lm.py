@@ -176,13 +176,14 @@ def main(argv):
         shuffle=False,
         verbose=0,
     )
-    blocks = [f"{backbone.name}/{layer.name}" for layer in backbone.layers]
+    # The groups of `layer_depth=2`: "<backbone>/<decoder block>".
+    blocks = [
+        f"{backbone.name}/{layer.name}" for layer in backbone.transformer_layers
+    ]
     for epoch in range(_EPOCHS.value):
         logs = {name: values[epoch] for name, values in history.history.items()}
         norms = ", ".join(
-            f"{name}={logs['grad_norm/' + name]:.4f}"
-            for name in blocks
-            if "grad_norm/" + name in logs
+            f"{name}={logs['grad_norm/' + name]:.4f}" for name in blocks
         )
         print(f"epoch {epoch + 1}: loss={logs['loss']:.4f}, {norms}")
     for name, values in history.history.items():

@@ -22,8 +22,19 @@ from custom_fit._types import Variable
 from custom_fit._types import Weight
 
 # Variable names penalized by default: weight matrices, not biases or
-# normalization scales and offsets.
-DEFAULT_PENALIZED_NAMES = ("kernel", "embeddings", "depthwise_kernel")
+# normalization scales and offsets. The LoRA factors that Keras' `Dense`,
+# `EinsumDense`, convolutions and `Embedding` add with `enable_lora` are
+# weight matrices too; the kernels they adapt are frozen (not trainable),
+# so under LoRA the factors are what `l1` and `l2` act on.
+DEFAULT_PENALIZED_NAMES = (
+    "kernel",
+    "embeddings",
+    "depthwise_kernel",
+    "lora_kernel_a",
+    "lora_kernel_b",
+    "lora_embeddings_a",
+    "lora_embeddings_b",
+)
 INPUT_GRADIENT_FORMS = ("squared_norm", "wgan_gp")
 
 # Added under the square root of the WGAN-GP norm: the gradient of the norm
@@ -62,8 +73,9 @@ def select_variables(
     Args:
         variables: List of variables, e.g. `model.trainable_variables`.
         names: Collection of variable names. Defaults to weight matrices
-            (`kernel`, `embeddings`, `depthwise_kernel`): not biases, not
-            normalization `gamma`/`beta`.
+            (`kernel`, `embeddings`, `depthwise_kernel`, and the LoRA
+            factors `lora_kernel_a`/`_b`, `lora_embeddings_a`/`_b`): not
+            biases, not normalization `gamma`/`beta`.
 
     Returns:
         The selected variables, in order.

@@ -45,10 +45,18 @@ class RegularizationMixin(TrainStepMixin):
         l2: Float or `None`. Adds `l2 * sum(w**2)` over the penalized
             variables (the `keras.regularizers.L2` formula).
         penalized_variable_names: List of variable names (the last path
-            component) that `l1` and `l2` act on. Defaults to weight
-            matrices: `("kernel", "embeddings", "depthwise_kernel")`, not
-            biases nor normalization `gamma`/`beta`. Pass for example
-            `["kernel", "bias"]` to include biases.
+            component) of the trainable variables that `l1` and `l2` act
+            on. Defaults to weight matrices: `("kernel", "embeddings",
+            "depthwise_kernel")` and the LoRA factors that `enable_lora`
+            adds (`"lora_kernel_a"`, `"lora_kernel_b"`,
+            `"lora_embeddings_a"`, `"lora_embeddings_b"`), not biases nor
+            normalization `gamma`/`beta`. Pass for example
+            `["kernel", "bias"]` to include biases. Under LoRA the kernels
+            being adapted are frozen (not trainable) and never penalized:
+            the penalty acts on the factors that train, `A` and `B`
+            (`l2 * (sum(A**2) + sum(B**2))`), not on the merged kernel
+            `W + A @ B` (penalize that in `regularization_losses` if you
+            need it).
         input_gradient_penalty: Float or `None`. Adds this weight times a
             penalty on the gradient of the loss with respect to the
             inputs, computed with a nested tape (one more call of

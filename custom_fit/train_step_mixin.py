@@ -1308,7 +1308,9 @@ class TrainStepMixin(_keras_compat.PrivateOverrides):
 
         Keras' `Sequential.from_config` drops unknown keys, so the mixin
         keywords are taken out and handed to the constructor that Keras'
-        `from_config` calls.
+        `from_config` calls. `custom_objects` goes to that `from_config`
+        when it takes the argument (Keras' models do); for one that does
+        not (a keras-hub `Task`), they are in scope while it runs.
 
         Args:
             config: Dict returned by `get_config()`.
@@ -1322,8 +1324,17 @@ class TrainStepMixin(_keras_compat.PrivateOverrides):
             name: _options.from_config(value)
             for name, value in _options.pop_options(cls, config).items()
         }
+        parent_from_config = super().from_config
         with _options.pending(cls, options) as held:
-            model = super().from_config(config, custom_objects=custom_objects)
+            if custom_objects is None:
+                model = parent_from_config(config)
+            elif _takes_keyword(parent_from_config, "custom_objects"):
+                model = parent_from_config(
+                    config, custom_objects=custom_objects
+                )
+            else:
+                with keras.saving.custom_object_scope(custom_objects):
+                    model = parent_from_config(config)
         if not held.taken:
             # Keras built the model some other way: apply them afterwards.
             model._configure_options(options)
@@ -1467,13 +1478,27 @@ def _assign_owners(
     """Names the group of each trainable variable of `layer`.
 
     See `TrainStepMixin.layer_names_of`: it descends `depth - 1` levels into
-    models used as layers.
+    models used as layers. A variable is read from `layer.variables`, not
+    `layer.trainable_variables`, which is empty for a frozen layer even when
+    a layer inside it trains (`enable_lora` freezes each transformer layer
+    and unfreezes its query and value projections, whose LoRA kernels the
+    model trains).
     """
     if depth > 1:
         for inner in getattr(layer, "layers", None) or ():
             _assign_owners(inner, f"{path}/{inner.name}", depth - 1, owners)
-    for variable in layer.trainable_variables:
-        owners.setdefault(id(variable), path)
+    for variable in layer.variables:
+        if variable.trainable:
+            owners.setdefault(id(variable), path)
+
+
+def _takes_keyword(function: Callable[..., Any], name: str) -> bool:
+    """Returns whether `function` accepts the keyword argument `name`."""
+    parameters = inspect.signature(function).parameters.values()
+    return any(
+        p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD
+        for p in parameters
+    )
 
 
 def _compatible(shape: tuple, expected: tuple) -> bool:

@@ -11,6 +11,7 @@ are tested in files of their own (see `TESTED_ELSEWHERE`).
 """
 
 import csv
+import functools
 import math
 import os
 import re
@@ -77,6 +78,19 @@ def printed(output, label):
     if match is None:
         raise AssertionError(f"{label!r} not printed:\n{output}")
     return float(match.group(1))
+
+
+@functools.cache
+def causal_lm_output(backend, *flags):
+    """Runs `fine_tune_causal_lm` with small flags once per arguments."""
+    return output_of(
+        "fine_tune_causal_lm",
+        backend,
+        "--epochs=2",
+        "--sequences=64",
+        "--batch_size=16",
+        *flags,
+    )
 
 
 def validation_accuracy(output):
@@ -293,6 +307,51 @@ class TestExamples:
             printed(output, "epsilon"), ledger.get_epsilon(1e-5), rtol=1e-5
         )
         assert validation_accuracy(output) > 0.5, output
+
+    @BACKENDS
+    def test_fine_tune_causal_lm_logs_a_norm_per_decoder_block(self, backend):
+        """LoRA fine-tuning of the tiny Gemma: the loss falls, no step is
+        skipped, the logs hold one gradient norm per decoder block (only
+        the blocks train under LoRA), and the prompt leads the generation."""
+        testing.import_keras_hub()
+        output = causal_lm_output(backend)
+        blocks = [f"gemma_backbone/decoder_block_{i}" for i in range(2)]
+        logged = re.findall(r"(?m)^grad_norm/(\S+): ", output)
+        assert sorted(logged) == blocks, output
+        losses = [
+            float(v) for v in re.findall(r"epoch \d+: loss=(\S+),", output)
+        ]
+        assert len(losses) == 2 and losses[1] < losses[0], output
+        assert printed(output, "skipped_steps") == 0, output
+        # --global_clipnorm=0.05 bites, and bounds every clipped norm.
+        assert printed(output, "clip_rate") > 0, output
+        assert printed(output, "grad_norm_clipped") <= 0.05 * (1 + 1e-5)
+        prompt = re.search(r"(?m)^prompt: (\[.*\])$", output).group(1)
+        tokens = re.search(r"(?m)^generated: \[(.*)\]$", output).group(1)
+        assert tokens.startswith(prompt[1:-1]), output
+
+    @pytest.mark.jax
+    def test_fine_tune_causal_lm_model_parallel_equals_one_device(self):
+        """With --model_parallel (8 forced host devices, a 2x4 mesh laid out
+        by GemmaBackbone.get_layout_map) the query kernels are split over
+        the mesh, and the losses and norms equal one device's."""
+        testing.import_keras_hub()
+        output = causal_lm_output("jax", "--model_parallel")
+        assert printed(output, "devices") == 8, output
+        layout = re.search(r"(?m)^layout of \S+query/kernel: (.*)$", output)
+        # Gemma's layout map: (model, batch, None), as JAX prints it.
+        assert layout and "'model', 'batch'" in layout.group(1), output
+        reference = causal_lm_output("jax")
+        labels = ("loss", "grad_norm", "grad_norm_step", "grad_norm_clipped")
+        for label in labels:
+            np.testing.assert_allclose(
+                printed(output, label), printed(reference, label), rtol=1e-5
+            )
+        for block in range(2):
+            label = f"grad_norm/gemma_backbone/decoder_block_{block}"
+            np.testing.assert_allclose(
+                printed(output, label), printed(reference, label), rtol=1e-5
+            )
 
     def test_every_example_program_is_run(self):
         """Each program in examples/ is run by a test of this class (named

@@ -3,6 +3,7 @@
 import contextlib
 import functools
 import importlib
+import importlib.metadata
 import os
 import sys
 
@@ -329,6 +330,37 @@ def numpy_clip(
         if options.get(name) is not None:
             grads = steps[name](grads, options[name])
     return grads
+
+
+# The oldest keras-hub the keras-hub tests and example run with. CI's wheel
+# step has Keras 3.11, under which pip installs an older keras-hub (0.32
+# needs Keras 3.15): those tests skip there, saying so.
+KERAS_HUB_MINIMUM = "0.32.0"
+
+
+def import_keras_hub():
+    """Returns `keras_hub`, or skips (the module, at import) with the reason:
+    not installed, or older than `KERAS_HUB_MINIMUM`. The version is read
+    from the installed package's metadata first, so an older keras-hub is
+    never imported."""
+    import pytest
+    from packaging.version import Version
+
+    try:
+        version = importlib.metadata.version("keras-hub")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip(
+            "keras-hub is not installed (the `test` extra installs it)",
+            allow_module_level=True,
+        )
+    if Version(version) < Version(KERAS_HUB_MINIMUM):
+        pytest.skip(
+            f"keras-hub {version} is older than {KERAS_HUB_MINIMUM}, the "
+            f"oldest these tests run with (Keras {keras.__version__}; "
+            "keras-hub 0.32 needs Keras 3.15)",
+            allow_module_level=True,
+        )
+    return importlib.import_module("keras_hub")
 
 
 EXAMPLES_DIR = os.path.join(

@@ -11,7 +11,10 @@ two before it.
 
 custom_fit adds what a long fine-tuning run is watched with: the true
 global gradient norm is clipped (`global_clipnorm`), steps whose gradients
-are not finite are skipped (`skip_nonfinite`), and the gradient norm of
+are not finite are skipped (`skip_nonfinite`), and so are steps whose
+norm spikes above 10 times the running average of the applied steps'
+(`skip_gradient_norm_ratio_above`; `logs["skipped_spikes"]` counts them),
+and the gradient norm of
 each decoder block is logged every epoch (`layer_depth=2`: the groups are
 the backbone's own layers; `layer_norms_in_logs=True` puts them in `logs`
 as `grad_norm/<backbone>/<block>`). The program prints each epoch's loss
@@ -56,6 +59,12 @@ from absl import flags  # noqa: E402
 import custom_fit  # noqa: E402
 
 _EPOCHS = flags.DEFINE_integer("epochs", 5, "Epochs of fine-tuning.")
+_SPIKE_RATIO = flags.DEFINE_float(
+    "skip_gradient_norm_ratio_above",
+    10.0,
+    "Skip a step whose gradient norm exceeds this many times the running "
+    "average of the applied steps' norms.",
+)
 _SEQUENCES = flags.DEFINE_integer("sequences", 256, "Training sequences.")
 _SEQUENCE_LENGTH = flags.DEFINE_integer(
     "sequence_length", 16, "Tokens per training sequence."
@@ -154,10 +163,11 @@ def main(argv):
         preprocessor=None,  # the corpus is token ids already
         global_clipnorm=_GLOBAL_CLIPNORM.value,
         skip_nonfinite=True,
-        # ---------------------------------------------------------------
-        # Spike skipping: the option that also skips a step whose gradient
-        # norm spikes goes here, next to `skip_nonfinite`.
-        # ---------------------------------------------------------------
+        # A step whose true gradient norm is more than this many times the
+        # running average of the applied steps' norms is skipped too (after
+        # a warm-up of applied steps): one bad batch costs one step.
+        skip_gradient_norm_ratio_above=_SPIKE_RATIO.value,
+        gradient_norm_warmup_steps=5,
         layer_depth=2,
         layer_norms_in_logs=True,
     )

@@ -323,6 +323,7 @@ class TestExamples:
         ]
         assert len(losses) == 2 and losses[1] < losses[0], output
         assert printed(output, "skipped_steps") == 0, output
+        assert printed(output, "skipped_spikes") == 0, output
         # --global_clipnorm=0.05 bites, and bounds every clipped norm.
         assert printed(output, "clip_rate") > 0, output
         assert printed(output, "grad_norm_clipped") <= 0.05 * (1 + 1e-5)

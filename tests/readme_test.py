@@ -147,6 +147,18 @@ class ReadmeTest(testing.TestCase):
         self.assertEqual(result.returncode, 0, result.stderr[-3000:])
         self.assertIn("['loss', 'val_loss']", result.stdout)
 
+    def test_spike_block_skips_the_corrupted_batch(self):
+        """The spike-skipping block skips exactly its corrupted batch."""
+        blocks = [
+            b
+            for b in readme_blocks()
+            if b.heading == "Skipping gradient spikes"
+        ]
+        self.assertLen(blocks, 1)
+        result = run_block(blocks[0].code)
+        self.assertEqual(result.returncode, 0, result.stderr[-3000:])
+        self.assertIn("[1.0]", result.stdout)
+
     def test_every_python_block_is_found(self):
         """Each ```python fence is a block; skip markers are rare and used.
 

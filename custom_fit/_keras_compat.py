@@ -11,7 +11,6 @@ there first.
 """
 
 import sys
-from collections.abc import Iterable
 from types import FrameType
 from typing import TYPE_CHECKING
 from typing import Any
@@ -22,7 +21,6 @@ from keras import ops
 from custom_fit import _model_state
 from custom_fit import backend
 from custom_fit import pipeline
-from custom_fit._types import Logs
 
 # Keras' helpers of `keras.models.clone_model` (keras/src/models/cloning.py).
 _CLONE_FUNCTIONAL = "_clone_functional_model"
@@ -100,79 +98,6 @@ def track_loss(model: keras.Model, loss: Any, x: Any) -> None:
     model._loss_tracker.update_state(loss, sample_weight=weight)
 
 
-def symbolic_build_batch(model: keras.Model, iterator: Iterable[Any]) -> Any:
-    """Returns a batch of local tensors for Keras' `_maybe_symbolic_build`.
-
-    Keras 3.15 builds the model before `fit` from the first batch, averaged
-    across replicas with `strategy.reduce("MEAN", batch)`. Under
-    MultiWorkerMirroredStrategy that reduce fails ("Attempt to convert a
-    value (PerReplica...) to a Tensor"), for plain `keras.Model` too. Only the
-    shapes and dtypes of the batch matter there, so the first replica's
-    local tensors serve.
-
-    Args:
-        model: The model being fitted.
-        iterator: Keras' epoch iterator, yielding `(begin, end, iterator)`.
-
-    Returns:
-        The first batch with every distributed value replaced by its first
-        local component.
-    """
-    import tensorflow as tf
-
-    strategy = model.distribute_strategy
-    for _, _, data_iterator in iterator:
-        batch = next(data_iterator)
-        break
-
-    def local(value: Any) -> Any:
-        if isinstance(value, tf.distribute.DistributedValues):
-            return strategy.experimental_local_results(value)[0]
-        return value
-
-    return tf.nest.map_structure(local, batch)
-
-
-def reducible_logs(model: keras.Model, logs: Logs) -> Logs:
-    """Returns step logs that Keras can reduce across workers.
-
-    Keras 3.15 reduces each log of a step with `strategy.reduce("MEAN", v,
-    axis=0)` under MultiWorkerMirroredStrategy, which fails on the scalars
-    that every step returns ("Invalid reduction dimension 0 for input with 0
-    dimensions"), for plain `keras.Model` too. Scalars are given shape `[1]`:
-    the reduce then averages over replicas and that axis, and returns the
-    scalar. Under other strategies the logs are returned unchanged.
-
-    Args:
-        model: The model.
-        logs: Dict of log name to tensor.
-
-    Returns:
-        The logs, each scalar reshaped to `[1]` under the multi-worker
-        strategy.
-    """
-    if not is_multi_worker(model):
-        return logs
-    import tensorflow as tf
-
-    return {
-        name: tf.reshape(value, [1]) if value.shape.rank == 0 else value
-        for name, value in logs.items()
-    }
-
-
-def is_multi_worker(model: keras.Model) -> bool:
-    """Returns whether `model` was built under MultiWorkerMirroredStrategy."""
-    if backend.name() != "tensorflow":
-        return False
-    import tensorflow as tf
-
-    return isinstance(
-        getattr(model, "_distribute_strategy", None),
-        tf.distribute.MultiWorkerMirroredStrategy,
-    )
-
-
 if TYPE_CHECKING:
     # The mixins are used before a Keras model class; type checkers see
     # its attributes through this base, at run time it is `object`.
@@ -187,13 +112,15 @@ class PrivateOverrides(_ModelBase):
     def _maybe_symbolic_build(
         self, iterator: Any = None, data_batch: Any = None
     ) -> None:
-        """TensorFlow's pre-`fit` build, fixed for MultiWorkerMirroredStrategy.
+        """Keras' pre-`fit` build, fixed for MultiWorkerMirroredStrategy.
 
-        See `symbolic_build_batch`.
+        The backend may hand Keras a batch of its own (TensorFlow's
+        MultiWorkerMirroredStrategy: see its adapter's `build_batch`).
         """
-        if iterator is not None and is_multi_worker(self):
-            data_batch = symbolic_build_batch(self, iterator)
-            iterator = None
+        if iterator is not None:
+            batch = backend.current().build_batch(self, iterator)
+            if batch is not None:
+                data_batch, iterator = batch, None
         return super()._maybe_symbolic_build(  # type: ignore[misc]
             iterator=iterator, data_batch=data_batch
         )

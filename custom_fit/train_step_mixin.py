@@ -5,6 +5,7 @@ import inspect
 import warnings
 from collections.abc import Callable
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 from typing import Any
 from typing import TypeVar
 
@@ -35,7 +36,15 @@ _Model = TypeVar("_Model", bound="TrainStepMixin")
 PER_LOSS_MODES = (False, "outputs", "outputs_and_penalties")
 
 
-class TrainStepMixin(_keras_compat.PrivateOverrides):
+if TYPE_CHECKING:
+    _TrainerHooks = object
+else:
+    # Keras trainer methods the backend in use overrides (JAX's
+    # `jax_state_sync`); see `custom_fit.backend`.
+    _TrainerHooks = backend.trainer_hooks()
+
+
+class TrainStepMixin(_keras_compat.PrivateOverrides, _TrainerHooks):
     """Base mixin: Keras' training step, split into overridable hooks.
 
     Put it (or any custom_fit mixin, which all derive from it) before the
@@ -618,9 +627,8 @@ class TrainStepMixin(_keras_compat.PrivateOverrides):
         The gradients come from the tape, so `compute_gradients` is not
         called; the rest of the pipeline is the same.
         """
-        if backend.name() != "tensorflow":
-            # Refused with the neutral form as the fix, before any use.
-            backend.current().recorded_gradients(tape, loss, ())
+        # Refused where no tape records (with the neutral form as the fix).
+        backend.current().check_recorded_loss(tape)
         optimizer = self._prepared(optimizer)
         variables = list(
             self.trainable_variables if variables is None else variables
@@ -924,7 +932,7 @@ class TrainStepMixin(_keras_compat.PrivateOverrides):
         if before is not None:
             self._undo_if_skipped(before, counted)
             logs = self.get_metrics_result()
-        return _keras_compat.reducible_logs(self, logs)
+        return backend.current().reducible_logs(self, logs)
 
     def _undo_if_skipped(
         self, before: "_StepStart", counted: Tensor | None
@@ -966,7 +974,7 @@ class TrainStepMixin(_keras_compat.PrivateOverrides):
         _keras_compat.track_loss(self, loss, x)
         self._note_loss_tracked()
         logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-        return _keras_compat.reducible_logs(self, logs)
+        return backend.current().reducible_logs(self, logs)
 
     def _note_loss_tracked(self) -> None:
         """Notes that the running kind of step logs Keras' `loss`."""
@@ -1188,16 +1196,6 @@ class TrainStepMixin(_keras_compat.PrivateOverrides):
             return self.train_function
         trainer.make_test_function(force=force)
         return self.test_function
-
-    def jax_state_sync(self) -> None:
-        """Writes the state of a JAX `fit` back into the variables, as Keras.
-
-        Called by Keras' JAX trainer (at the end of an epoch, or when a
-        callback needs the weights); custom_fit then reads its state from
-        the variables again instead of from the last step's state.
-        """
-        super().jax_state_sync()  # type: ignore[misc]
-        backend.current().forget_latest(self)
 
     def _driven(self, step_function: StepFunction, kind: str) -> StepFunction:
         """Wraps `step_function` to mark this model as the running driver.

@@ -16,8 +16,10 @@ Keras selects its own (`keras/src/backend/<name>/trainer.py`):
   returns the new values; `jax.jit` compiles that function. Gradients come
   from `jax.value_and_grad` of a function of the differentiated variables.
 
-Every adapter module defines the same functions (see `tensorflow.py` for
-their documentation). A third backend (PyTorch) is one more module.
+Every adapter module defines exactly the functions of the contract,
+`custom_fit.backend.Adapter` (`_contract.py`, with their meaning), and the
+core calls them through `current()` only; dense backends share the
+defaults of `_dense.py`. A backend is one module.
 """
 
 import functools
@@ -25,6 +27,8 @@ import importlib
 from types import ModuleType
 
 import keras
+
+from custom_fit.backend._contract import Adapter
 
 SUPPORTED = ("tensorflow", "jax")
 
@@ -54,14 +58,27 @@ def _module(backend_name: str) -> ModuleType:
     return importlib.import_module(f"custom_fit.backend.{backend_name}")
 
 
-def current() -> ModuleType:
+def current() -> Adapter:
     """Returns the adapter module of the Keras backend in use.
 
     Returns:
-        `custom_fit.backend.tensorflow` or `custom_fit.backend.jax`.
+        The module of `custom_fit.backend` named as the backend.
 
     Raises:
         ValueError: If the backend is not supported.
     """
     check_supported()
-    return _module(name())
+    adapter: Adapter = _module(name())  # type: ignore[assignment]
+    return adapter
+
+
+def trainer_hooks() -> type:
+    """Returns the class of Keras trainer methods the backend overrides.
+
+    Mixed into `TrainStepMixin` when custom_fit is imported; under a
+    backend custom_fit does not support, a class with none (the model is
+    refused when it is built).
+    """
+    if name() not in SUPPORTED:
+        return type("TrainerHooks", (), {})
+    return current().TrainerHooks

@@ -45,6 +45,19 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 from keras import ops
 
+from custom_fit.backend._dense import all_reduce_sum  # noqa: F401
+from custom_fit.backend._dense import build_batch  # noqa: F401
+from custom_fit.backend._dense import check_recorded_loss  # noqa: F401
+from custom_fit.backend._dense import deduplicate  # noqa: F401
+from custom_fit.backend._dense import dense  # noqa: F401
+from custom_fit.backend._dense import dense_size  # noqa: F401
+from custom_fit.backend._dense import is_sparse  # noqa: F401
+from custom_fit.backend._dense import map_values  # noqa: F401
+from custom_fit.backend._dense import on_first_replica  # noqa: F401
+from custom_fit.backend._dense import recorded_gradients  # noqa: F401
+from custom_fit.backend._dense import reducible_logs  # noqa: F401
+from custom_fit.backend._dense import replica_count  # noqa: F401
+
 _LOCAL = threading.local()
 
 
@@ -229,18 +242,6 @@ def per_example_gradients(
     return list(gradients), True
 
 
-def recorded_gradients(tape: Any, value: Any, variables: Sequence[Any]) -> Any:
-    """A loss recorded on a tape is TensorFlow's; refused here."""
-    del tape, value, variables
-    raise ValueError(
-        "`minimize(loss, tape)` differentiates a loss recorded on a "
-        "tf.GradientTape, which exists on the TensorFlow backend only. "
-        "Received: a loss tensor and a tape under KERAS_BACKEND='jax'. Pass "
-        "a function of no arguments that computes the loss instead: "
-        "`minimize(loss_function, optimizer=...)`."
-    )
-
-
 def input_gradients(
     function: Callable[[Any], Any], inputs: Sequence[Any]
 ) -> list[Any]:
@@ -264,24 +265,6 @@ def input_gradients(
     scope.state_mapping.update(updates)
     _write_back(scope)
     return list(gradients)
-
-
-# Replicas: a step is traced over the global batch.
-
-
-def replica_count() -> int:
-    """Returns 1: under `keras.distribution`, the step sees the global batch."""
-    return 1
-
-
-def all_reduce_sum(gradients: Sequence[Any]) -> list[Any]:
-    """Returns the gradients: they are the global batch's already."""
-    return list(gradients)
-
-
-def on_first_replica(value: Any) -> Any:
-    """Returns `value`: there is one replica."""
-    return value
 
 
 # Conditional updates.
@@ -472,7 +455,7 @@ def write_latest(model: Any) -> None:
         latest.write()
 
 
-def forget_latest(model: Any) -> None:
+def after_state_sync(model: Any) -> None:
     """Writes the stashed state back and forgets it, after Keras' sync.
 
     Keras writes back the state it kept from the call before last when
@@ -481,35 +464,6 @@ def forget_latest(model: Any) -> None:
     """
     write_latest(model)
     model.__dict__["_custom_fit_latest"] = None
-
-
-# Sparse gradients do not exist on JAX.
-
-
-def is_sparse(gradient: Any) -> bool:
-    """Returns `False`: JAX gradients are dense."""
-    del gradient
-    return False
-
-
-def map_values(function: Callable[[Any], Any], gradient: Any) -> Any:
-    """Applies `function` to `gradient`."""
-    return function(gradient)
-
-
-def deduplicate(gradient: Any) -> Any:
-    """Returns `gradient`: dense gradients need no deduplication."""
-    return gradient
-
-
-def dense_size(gradient: Any) -> Any:
-    """Returns the number of entries, as float32."""
-    return ops.cast(ops.size(gradient), "float32")
-
-
-def dense(gradient: Any) -> Any:
-    """Returns `gradient`."""
-    return gradient
 
 
 # Training functions.
@@ -797,6 +751,20 @@ def _state_shardings(
         tuple([kept(value) for value in values] for values in state),
         [kept(value) for value in own],
     )
+
+
+class TrainerHooks:
+    """Keras trainer methods overridden for custom_fit's JAX state."""
+
+    def jax_state_sync(self) -> None:
+        """Writes the state of a JAX `fit` back into the variables, as Keras.
+
+        Called by Keras' JAX trainer (at the end of an epoch, or when a
+        callback needs the weights); custom_fit's own state is written too,
+        and the next call reads it from the variables again.
+        """
+        super().jax_state_sync()  # type: ignore[misc]
+        after_state_sync(self)
 
 
 def make_step_function(

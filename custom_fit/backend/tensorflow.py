@@ -10,7 +10,7 @@ cross-replica context when they are conditional.
 
 import contextlib
 from collections.abc import Callable
-from collections.abc import Iterator
+from collections.abc import Iterable
 from collections.abc import Sequence
 from typing import Any
 
@@ -146,6 +146,16 @@ def per_example_gradients(
     except Exception:  # noqa: BLE001  (an op pfor cannot vectorize)
         signature = [tf.TensorSpec(v.shape, v.dtype) for v in variables]
         return tf.map_fn(one, inputs, fn_output_signature=signature), False
+
+
+def check_recorded_loss(tape: Any) -> None:
+    """Raises unless `tape` is a `tf.GradientTape`."""
+    if not isinstance(tape, tf.GradientTape):
+        raise ValueError(
+            "`minimize(loss, tape)` takes the tf.GradientTape that recorded "
+            f"the loss. Received: tape={tape!r}. Pass the tape, or a function "
+            "of no arguments that computes the loss."
+        )
 
 
 def recorded_gradients(
@@ -418,16 +428,14 @@ def write_latest(model: Any) -> None:
     del model
 
 
+def after_state_sync(model: Any) -> None:
+    """Does nothing: the step is stateful, Keras syncs no state."""
+    del model
+
+
 def copy(value: Any) -> Any:
     """Returns a copy of a variable's current value, kept in the step."""
     return tf.identity(tf.convert_to_tensor(value))
-
-
-@contextlib.contextmanager
-def discovery(model: Any) -> Iterator[None]:
-    """No discovery pass is needed: state is made inside the trace."""
-    del model
-    yield
 
 
 # Sparse gradients (`tf.IndexedSlices`, the gradient of an Embedding).
@@ -493,3 +501,67 @@ def make_step_function(
     """Returns Keras' own train or test function: the step is stateful."""
     del model, kind
     return build_keras_function()
+
+
+def _is_multi_worker(model: Any) -> bool:
+    """Returns whether `model` was built under MultiWorkerMirroredStrategy."""
+    return isinstance(
+        getattr(model, "distribute_strategy", None),
+        tf.distribute.MultiWorkerMirroredStrategy,
+    )
+
+
+def build_batch(model: Any, iterator: Iterable[Any]) -> Any:
+    """Returns a batch of local tensors for Keras' build before `fit`.
+
+    Keras 3.15 builds the model before `fit` from the first batch, averaged
+    across replicas with `strategy.reduce("MEAN", batch)`. Under
+    MultiWorkerMirroredStrategy that reduce fails ("Attempt to convert a
+    value (PerReplica...) to a Tensor"), for plain `keras.Model` too. Only
+    the shapes and dtypes of the batch matter there, so the first replica's
+    local tensors serve; under other strategies Keras' own build works
+    (`None`).
+
+    Args:
+        model: The model being fitted.
+        iterator: Keras' epoch iterator, yielding `(begin, end, iterator)`.
+
+    Returns:
+        The first batch with every distributed value replaced by its first
+        local component, or `None`.
+    """
+    if not _is_multi_worker(model):
+        return None
+    strategy = model.distribute_strategy
+    for _, _, data_iterator in iterator:
+        batch = next(data_iterator)
+        break
+
+    def local(value: Any) -> Any:
+        if isinstance(value, tf.distribute.DistributedValues):
+            return strategy.experimental_local_results(value)[0]
+        return value
+
+    return tf.nest.map_structure(local, batch)
+
+
+def reducible_logs(model: Any, logs: dict[str, Any]) -> dict:
+    """Returns step logs that Keras can reduce across workers.
+
+    Keras 3.15 reduces each log of a step with `strategy.reduce("MEAN", v,
+    axis=0)` under MultiWorkerMirroredStrategy, which fails on the scalars
+    that every step returns ("Invalid reduction dimension 0 for input with 0
+    dimensions"), for plain `keras.Model` too. Scalars are given shape `[1]`:
+    the reduce then averages over replicas and that axis, and returns the
+    scalar. Under other strategies the logs are returned unchanged.
+    """
+    if not _is_multi_worker(model):
+        return logs
+    return {
+        name: tf.reshape(value, [1]) if value.shape.rank == 0 else value
+        for name, value in logs.items()
+    }
+
+
+class TrainerHooks:
+    """No Keras trainer method needs overriding: the step is stateful."""

@@ -38,7 +38,12 @@ import custom_fit  # noqa: E402
 from custom_fit import _model_state  # noqa: E402
 from custom_fit.backend import jax as jax_adapter  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+sys.path.insert(
+    0,
+    os.path.dirname(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    ),
+)
 from benchmarks.model_parallel_memory import COLLECTIVE  # noqa: E402
 from benchmarks.model_parallel_memory import largest_array  # noqa: E402
 

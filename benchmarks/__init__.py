@@ -1,0 +1,1 @@
+"""Benchmarks of custom_fit against plain Keras (scripts, not tests)."""

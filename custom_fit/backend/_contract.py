@@ -1,0 +1,240 @@
+"""The backend contract: what every adapter module provides, and nothing more.
+
+`Adapter` lists each function (and the one class) an adapter module
+defines, with its meaning; `tests/backend_contract_test.py` checks that
+every adapter provides exactly these names, with these parameters, and the
+type checker checks each module against the protocol. The core calls the
+adapter of the backend in use through `custom_fit.backend.current()` and
+never names a backend itself.
+
+Dense backends (JAX, PyTorch) share the defaults of `_dense.py`: dense
+gradients only, one replica per step (a step traced over the global
+batch, or no distribution), no tape-recorded losses.
+"""
+
+import contextlib
+from collections.abc import Callable
+from collections.abc import Iterable
+from collections.abc import Sequence
+from typing import Any
+from typing import Protocol
+
+
+class Adapter(Protocol):
+    """What custom_fit's core needs of a Keras backend."""
+
+    # Differentiation.
+
+    def value_and_grad(
+        self, function: Callable[[], tuple[Any, Any]], variables: Any
+    ) -> tuple[Any, Any, list[Any]]:
+        """Returns `(value, aux, gradients)` of `function` w.r.t. variables.
+
+        `function` takes no argument and returns `(value, aux)`, `value` a
+        scalar; `variables` is a list, or a callable returning it (called
+        after `function`, which may build the model). Updates `function`
+        makes to other variables (layer state, metrics) are kept.
+        """
+        ...
+
+    def values_and_grads(
+        self, function: Callable[[], tuple[dict[str, Any], Any]], variables: Any
+    ) -> tuple[dict[str, Any], Any, dict[str, list[Any]]]:
+        """`value_and_grad` of a dict of losses (one backward pass each)."""
+        ...
+
+    def per_example_gradients(
+        self,
+        function: Callable[..., Any],
+        variables: Sequence[Any],
+        inputs: tuple,
+    ) -> tuple[list[Any], bool]:
+        """Returns the gradients of each slice of `inputs` (first axis).
+
+        Vectorized where the backend can; also returns whether it was.
+        """
+        ...
+
+    def input_gradients(
+        self, function: Callable[[Any], Any], inputs: Sequence[Any]
+    ) -> list[Any]:
+        """Returns the gradients of `function(inputs)` w.r.t. `inputs`.
+
+        They are differentiable again (double backpropagation).
+        """
+        ...
+
+    def check_recorded_loss(self, tape: Any) -> None:
+        """Raises unless `tape` can differentiate a loss it recorded.
+
+        `minimize(loss, tape)`, TensorFlow's form.
+        """
+        ...
+
+    def recorded_gradients(
+        self, tape: Any, value: Any, variables: Sequence[Any]
+    ) -> list[Any]:
+        """Returns the gradients of `value` recorded on `tape`."""
+        ...
+
+    # Numbers.
+
+    def normal(self, shape: Sequence[int], dtype: str, seeds: Any) -> Any:
+        """Returns standard normal draws, advancing the `SeedGenerator`."""
+        ...
+
+    def divisible_first_axis(
+        self, tensor: Any, count: int, message: str
+    ) -> Any:
+        """Returns `tensor`; fails with `message` unless `count` divides it.
+
+        Its first axis, checked at trace time where shapes are static.
+        """
+        ...
+
+    # Replicas.
+
+    def replica_count(self) -> int:
+        """The number of replicas whose gradients are summed per step."""
+        ...
+
+    def all_reduce_sum(self, gradients: Sequence[Any]) -> list[Any]:
+        """Sums gradients across replicas (`None` stays `None`)."""
+        ...
+
+    def on_first_replica(self, value: Any) -> Any:
+        """`value` on the first replica, 0 on the others."""
+        ...
+
+    # Conditional updates and writes.
+
+    def run_if(
+        self,
+        condition: Any,
+        function: Callable[..., object],
+        args: tuple[Any, ...] = (),
+        synchronized: bool = False,
+    ) -> None:
+        """Runs `function(*args)` only when the scalar `condition` is true.
+
+        `synchronized`: `function` synchronises replicas.
+        """
+        ...
+
+    def restore_if(
+        self, condition: Any, variables: Sequence[Any], values: Sequence[Any]
+    ) -> None:
+        """Writes `values` into per-replica `variables` where `condition`."""
+        ...
+
+    def assign_variables(
+        self, variables: Sequence[Any], values: Sequence[Any]
+    ) -> None:
+        """Assigns `values` to model variables, in a replica context too."""
+        ...
+
+    def apply_gradients(
+        self, optimizer: Any, gradients: Sequence[Any], variables: Sequence[Any]
+    ) -> None:
+        """Applies `gradients` to `variables` with the Keras optimizer."""
+        ...
+
+    # custom_fit's own state.
+
+    def state_variable(
+        self,
+        shape: Sequence[int],
+        dtype: str,
+        name: str,
+        summed: bool = False,
+        like: Any = None,
+    ) -> Any:
+        """Returns a zero-initialized state variable.
+
+        `summed`: a read sums the replicas' copies; `like`: a model
+        variable whose layout it takes.
+        """
+        ...
+
+    def creation_scope(self) -> contextlib.AbstractContextManager:
+        """A context lifting state made in a traced step out of the trace."""
+        ...
+
+    def read(self, variable: Any) -> Any:
+        """The current value of a variable, inside a step."""
+        ...
+
+    def copy(self, value: Any) -> Any:
+        """A copy of a variable's current value, untouched by later writes."""
+        ...
+
+    def host_value(self, model: Any, variable: Any) -> Any:
+        """A variable's value on the host (a NumPy array), during `fit` too."""
+        ...
+
+    def write_latest(self, model: Any) -> None:
+        """Writes the latest state of a running `fit` into the variables."""
+        ...
+
+    def after_state_sync(self, model: Any) -> None:
+        """Writes custom_fit's stashed state after Keras' own state sync."""
+        ...
+
+    # Sparse gradients.
+
+    def is_sparse(self, gradient: Any) -> bool:
+        """Whether `gradient` is sparse (TensorFlow's `IndexedSlices`)."""
+        ...
+
+    def map_values(self, function: Callable[[Any], Any], gradient: Any) -> Any:
+        """Applies `function` to the values of a sparse gradient."""
+        ...
+
+    def deduplicate(self, gradient: Any) -> Any:
+        """Sums the rows of a sparse gradient that share an index."""
+        ...
+
+    def dense_size(self, gradient: Any) -> Any:
+        """The number of entries of the dense equivalent, as float32."""
+        ...
+
+    def dense(self, gradient: Any) -> Any:
+        """The dense tensor equal to a sparse gradient."""
+        ...
+
+    # Training functions.
+
+    def check_strategy(self) -> None:
+        """Raises early for a distribution that `fit` cannot use."""
+        ...
+
+    def make_step_function(
+        self,
+        model: Any,
+        kind: str,
+        build_keras_function: Callable[[], Any],
+    ) -> Any:
+        """Returns the `"train"` or `"test"` function Keras' loop calls."""
+        ...
+
+    def build_batch(self, model: Any, iterator: Iterable[Any]) -> Any:
+        """A batch for Keras' build before `fit`, or `None` for Keras' own."""
+        ...
+
+    def reducible_logs(self, model: Any, logs: dict[str, Any]) -> dict:
+        """The step's logs in a form Keras can reduce across workers."""
+        ...
+
+    # The class mixed into `TrainStepMixin`: Keras trainer methods that
+    # the backend needs overridden (JAX's `jax_state_sync`).
+    TrainerHooks: type
+
+
+def names() -> tuple[str, ...]:
+    """Returns the names every adapter module provides."""
+    members = [
+        name
+        for name in vars(Adapter)
+        if not name.startswith("_") and callable(getattr(Adapter, name))
+    ]
+    return (*members, *Adapter.__annotations__)

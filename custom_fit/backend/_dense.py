@@ -1,0 +1,101 @@
+"""Shared parts of the adapters of dense backends (JAX, PyTorch).
+
+Their gradients are dense tensors; a step sees the global batch (JAX under
+`keras.distribution` traces it over the global batch; Keras has no PyTorch
+distribution yet), so there is one replica; a loss recorded on a tape is
+TensorFlow's form only. See `_contract.Adapter` for each name.
+"""
+
+from collections.abc import Callable
+from collections.abc import Iterable
+from collections.abc import Sequence
+from typing import Any
+
+import keras
+from keras import ops
+
+# Replicas: one, whose gradients are the global batch's already.
+
+
+def replica_count() -> int:
+    """Returns 1: the step sees the global batch."""
+    return 1
+
+
+def all_reduce_sum(gradients: Sequence[Any]) -> list[Any]:
+    """Returns the gradients: they are the global batch's already."""
+    return list(gradients)
+
+
+def on_first_replica(value: Any) -> Any:
+    """Returns `value`: there is one replica."""
+    return value
+
+
+# Losses recorded on a tape.
+
+
+def check_recorded_loss(tape: Any) -> None:
+    """A loss recorded on a tape is TensorFlow's; refused here."""
+    del tape
+    raise ValueError(
+        "`minimize(loss, tape)` differentiates a loss recorded on a "
+        "tf.GradientTape, which exists on the TensorFlow backend only. "
+        f"Received: a loss tensor and a tape under KERAS_BACKEND="
+        f"{keras.backend.backend()!r}. Pass a function of no arguments "
+        "that computes the loss instead: "
+        "`minimize(loss_function, optimizer=...)`."
+    )
+
+
+def recorded_gradients(tape: Any, value: Any, variables: Sequence[Any]) -> Any:
+    """Refused, as `check_recorded_loss`."""
+    del value, variables
+    check_recorded_loss(tape)
+
+
+# Sparse gradients do not occur.
+
+
+def is_sparse(gradient: Any) -> bool:
+    """Returns `False`: gradients are dense."""
+    del gradient
+    return False
+
+
+def map_values(function: Callable[[Any], Any], gradient: Any) -> Any:
+    """Applies `function` to `gradient`."""
+    return function(gradient)
+
+
+def deduplicate(gradient: Any) -> Any:
+    """Returns `gradient`: dense gradients need no deduplication."""
+    return gradient
+
+
+def dense_size(gradient: Any) -> Any:
+    """Returns the number of entries, as float32."""
+    return ops.cast(ops.size(gradient), "float32")
+
+
+def dense(gradient: Any) -> Any:
+    """Returns `gradient`."""
+    return gradient
+
+
+# Keras' own build before `fit` and its logs work as they are.
+
+
+def build_batch(model: Any, iterator: Iterable[Any]) -> Any:
+    """Returns `None`: Keras builds from the first batch itself."""
+    del model, iterator
+
+
+def reducible_logs(model: Any, logs: dict[str, Any]) -> dict:
+    """Returns `logs` unchanged."""
+    del model
+    return logs
+
+
+class TrainerHooks:
+    """No Keras trainer method needs overriding."""

@@ -1,0 +1,118 @@
+"""The backend contract: every adapter provides exactly it, and the core
+names no backend."""
+
+import ast
+import importlib
+import inspect
+import os
+
+import pytest
+from absl.testing import parameterized
+
+from custom_fit import backend
+from custom_fit.backend import _contract
+from tests import testing
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(backend.__file__)))
+_BACKEND_NAMES = ("tensorflow", "jax", "torch")
+# Where a backend library may be imported outside `custom_fit/backend/`:
+# a tool used as Keras uses it (tf.summary for TensorBoard files).
+_TOOLS = {os.path.join("custom_fit", "callbacks.py"): {"tensorflow"}}
+
+
+def adapter(name):
+    """Imports the adapter `name`, or skips when its backend is absent."""
+    try:
+        return importlib.import_module(f"custom_fit.backend.{name}")
+    except ImportError as error:
+        pytest.skip(f"{name} is not installed: {error}")
+
+
+def provided(module):
+    """The public functions and classes the adapter module offers: its own
+    and those it takes from the shared dense defaults."""
+    names = set()
+    for name, value in vars(module).items():
+        if name.startswith("_") or not (
+            inspect.isfunction(value) or inspect.isclass(value)
+        ):
+            continue
+        if value.__module__.startswith("custom_fit.backend"):
+            names.add(name)
+    return names
+
+
+def parameters(function):
+    return [
+        p.name
+        for p in inspect.signature(function).parameters.values()
+        if p.name != "self"
+    ]
+
+
+class BackendContractTest(testing.TestCase):
+    @parameterized.named_parameters((name, name) for name in backend.SUPPORTED)
+    def test_adapter_provides_exactly_the_contract(self, name):
+        """Each adapter defines every name of `Adapter`, with its
+        parameters, and no other public function or class."""
+        module = adapter(name)
+        self.assertEqual(provided(module), set(_contract.names()))
+        for member in _contract.names():
+            expected = getattr(_contract.Adapter, member, None)
+            if inspect.isfunction(expected):
+                self.assertEqual(
+                    parameters(getattr(module, member)),
+                    parameters(expected),
+                    f"{name}.{member}",
+                )
+
+    def test_core_names_no_backend(self):
+        """Outside `custom_fit/backend/`, no module imports a backend
+        library (but for tools such as tf.summary) or compares against a
+        backend's name."""
+        found = []
+        for directory, _, files in os.walk(
+            os.path.join(_PACKAGE, "custom_fit")
+        ):
+            relative = os.path.relpath(directory, _PACKAGE)
+            if relative.startswith(os.path.join("custom_fit", "backend")):
+                continue
+            for file in files:
+                if not file.endswith(".py"):
+                    continue
+                path = os.path.join(relative, file)
+                found.extend(_backend_names(_PACKAGE, path))
+        self.assertEqual(found, [])
+
+
+def _backend_names(root, path):
+    """Imports of backend libraries and comparisons with backend names."""
+    with open(os.path.join(root, path), encoding="utf-8") as handle:
+        tree = ast.parse(handle.read())
+    allowed = _TOOLS.get(path, set())
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            modules = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            modules = [node.module or ""]
+        else:
+            modules = []
+        for module in modules:
+            top = module.split(".")[0]
+            if top in _BACKEND_NAMES and top not in allowed:
+                found.append(f"{path}:{node.lineno} imports {module}")
+        if isinstance(node, ast.Compare):
+            for value in (node.left, *node.comparators):
+                if (
+                    isinstance(value, ast.Constant)
+                    and value.value in _BACKEND_NAMES
+                ):
+                    found.append(
+                        f"{path}:{node.lineno} compares {value.value!r}"
+                    )
+        if isinstance(node, ast.FunctionDef) and node.name.startswith(
+            _BACKEND_NAMES
+        ):
+            found.append(f"{path}:{node.lineno} defines {node.name}")
+    return found

@@ -571,8 +571,9 @@ class DifferentialPrivacyMixinTest(testing.TestCase):
             **mode,
         )
         model.fit(sampler, epochs=2, verbose=0)
-        batches = sampler.trained
-        self.assertLen(batches, 8)
+        # The last 8 served: on JAX the first call of a train function runs
+        # a discovery pass on one batch first, whose result is not kept.
+        batches = sampler.trained[-8:]
         sizes = {len(b) for b in batches}
         self.assertGreater(len(sizes), 1)  # batches of several sizes
         oracle = testing.mlp()

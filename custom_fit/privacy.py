@@ -39,7 +39,9 @@ _CALIBRATION_RTOL = 5e-3
 
 
 def clip_and_sum(
-    per_microbatch_gradients: Sequence[Tensor], l2_norm_clip: Any
+    per_microbatch_gradients: Sequence[Tensor],
+    l2_norm_clip: Any,
+    mask: Any = None,
 ) -> tuple[list[Tensor], Tensor]:
     """Clips each microbatch's gradient in global norm, then sums them.
 
@@ -55,6 +57,8 @@ def clip_and_sum(
             gradient of that variable.
         l2_norm_clip: Positive float (or scalar tensor), the bound of each
             microbatch's gradient norm over all variables together.
+        mask: Boolean vector (one per microbatch) or `None`. A microbatch
+            whose entry is false contributes zero (a padding row).
 
     Returns:
         A tuple `(sums, norms)`: the list of summed clipped gradients, one
@@ -82,6 +86,8 @@ def clip_and_sum(
     factors = ops.where(
         finite, ops.minimum(1.0, l2_norm_clip / ops.maximum(norms, 1e-30)), 0.0
     )
+    if mask is not None:
+        factors = factors * ops.cast(mask, factors.dtype)
     # A zero factor is not enough: 0 * NaN is NaN. The gradients of a
     # non-finite microbatch are replaced by zeros before the sum.
     gradients = [ops.where(_per_row(finite, g), g, 0.0) for g in gradients]

@@ -53,6 +53,28 @@ def _noise(name: str, value: Any) -> float | None:
     return _number(name, value, zero_allowed=True)
 
 
+def _weighted(weights: Any) -> Tensor:
+    """Returns, per microbatch, whether any of its sample weights is not 0.
+
+    Args:
+        weights: The sample weights split into microbatches: a tensor, or
+            a nested structure of them, whose first axis is the microbatch.
+
+    Returns:
+        A boolean vector.
+    """
+    flags = [
+        ops.any(
+            ops.reshape(ops.not_equal(w, 0), (ops.shape(w)[0], -1)), axis=1
+        )
+        for w in keras.tree.flatten(weights)
+    ]
+    found = flags[0]
+    for more in flags[1:]:
+        found = ops.logical_or(found, more)
+    return found
+
+
 class DifferentialPrivacyMixin(TrainStepMixin):
     """Differentially private training (DP-SGD) with `fit`.
 
@@ -84,10 +106,12 @@ class DifferentialPrivacyMixin(TrainStepMixin):
     counted in `private_steps`, skipped updates included.
 
     Batches drawn by `custom_fit.sampling.PoissonSampler` (what the
-    accountant assumes) have random sizes: pass its `expected_batch_size`,
-    and the noisy sum is divided by that fixed number instead of the
-    batch's size (which would tell whether an example is in it), so that
-    the padding rows of such batches change nothing.
+    accountant assumes) have random sizes: pass the sampler's `batch_size`
+    as `expected_batch_size`, and the noisy sum is divided by that fixed
+    number instead of the batch's size (which would tell whether an
+    example is in it). A microbatch whose sample weights are all 0 (such
+    a batch's padding rows) contributes nothing, not even the gradient of
+    `model.losses` that its loss includes.
 
     The logged loss and metrics are those of a forward pass over the whole
     batch. `logs["dp_clipped_fraction"]` is the share of microbatches whose
@@ -153,7 +177,7 @@ class DifferentialPrivacyMixin(TrainStepMixin):
     )
 
     def _configure_options(self, options: dict[str, Any]) -> None:
-        """Checks the required options; makes the noise's generator."""
+        """Checks the options; makes the noise's generator and the count."""
         super()._configure_options(options)
         for name in ("l2_norm_clip", "noise_multiplier"):
             if getattr(self, name) is None:
@@ -289,12 +313,19 @@ class DifferentialPrivacyMixin(TrainStepMixin):
                 g / ops.cast(scale, g.dtype) for g in per_microbatch
             ]
         clip = ops.cast(self.l2_norm_clip, "float32")
-        sums, norms = privacy.clip_and_sum(per_microbatch, clip)
+        # A microbatch whose sample weights are all 0 (a padding row of a
+        # Poisson batch) contributes nothing, `model.losses` included.
+        mask = None if sample_weight is None else _weighted(inputs[2])
+        sums, norms = privacy.clip_and_sum(per_microbatch, clip, mask)
         changed = ops.logical_or(
             ops.greater(norms, clip), ops.logical_not(ops.isfinite(norms))
         )
+        included = ops.ones_like(norms) if mask is None else mask
+        included = ops.cast(included, "float32")
         self._report(
-            "dp_clipped_fraction", ops.mean(ops.cast(changed, "float32"))
+            "dp_clipped_fraction",
+            ops.sum(ops.cast(changed, "float32") * included)
+            / ops.maximum(ops.sum(included), 1.0),
         )
         sums = pipeline.all_reduce_sum(sums)
         if self.noise_multiplier:

@@ -305,6 +305,17 @@ class ClipAndSumTest(testing.TestCase):
         norms = testing.to_numpy(norms)
         self.assertTrue(np.isnan(norms[1]) and np.isinf(norms[3]))
 
+    def test_a_masked_microbatch_contributes_zero(self):
+        """A microbatch whose mask entry is false (a padding row) adds
+        nothing; the others are clipped and summed."""
+        grads = [np.random.RandomState(2).randn(3, 4).astype("float32")]
+        sums, _ = privacy.clip_and_sum(grads, 1.0, np.array([1, 0, 1]) > 0)
+        kept = [
+            testing.numpy_clip_by_global_norm([g.astype(np.float64)], 1.0)[0]
+            for g in grads[0][[0, 2]]
+        ]
+        self.assertAllClose(sums[0], kept[0] + kept[1])
+
 
 class DifferentialPrivacyMixinTest(testing.TestCase):
     @parameterized.named_parameters(
@@ -417,6 +428,7 @@ class DifferentialPrivacyMixinTest(testing.TestCase):
         oracle = testing.mlp()
         oracle_training(oracle, x, y, None)
         self.assertWeightsClose(model, oracle, atol=1e-6)
+        self.assertEqual(model.private_steps, 4)  # each replica's count
 
     @parameterized.named_parameters(
         ("one_device", False, None),
@@ -544,22 +556,27 @@ class DifferentialPrivacyMixinTest(testing.TestCase):
         self.assertGreater(scale, 1.3 * CLIP * RATE / BATCH / 3)
 
     @parameterized.named_parameters(
-        ("graph", dict(jit_compile=False)),
+        ("graph", dict(jit_compile=False), False),
         (
             "jit_steps_per_execution",
             dict(jit_compile=True, steps_per_execution=3),
+            False,
         ),
+        ("model_losses", dict(jit_compile=False), True),
     )
-    def test_poisson_batches_train_as_hand_run_dp_sgd(self, mode):
+    def test_poisson_batches_train_as_hand_run_dp_sgd(self, mode, regularized):
         """fit on PoissonSampler batches (padded), dividing by the expected
         batch size, equals DP-SGD run by hand on the same batches (their
-        example indices from the sampler): per-example gradients, clipped
-        with NumPy, summed, divided by the expected size, SGD."""
+        example indices from the sampler): per-example gradients (with
+        `model.losses`), clipped with NumPy, summed, divided by the expected
+        size, SGD. Padding rows contribute nothing, `model.losses`
+        included."""
+        build = regularized_mlp if regularized else testing.mlp
         x, y = testing.classification_data(samples=4 * BATCH)
         sampler = RecordingSampler(
             x, y, batch_size=BATCH, seed=7, pad_to_multiple_of=8
         )
-        model = testing.mlp(
+        model = build(
             PrivateNet,
             l2_norm_clip=CLIP,
             noise_multiplier=0.0,
@@ -576,7 +593,7 @@ class DifferentialPrivacyMixinTest(testing.TestCase):
         batches = sampler.trained[-8:]
         sizes = {len(b) for b in batches}
         self.assertGreater(len(sizes), 1)  # batches of several sizes
-        oracle = testing.mlp()
+        oracle = build()
         poisson_oracle_training(oracle, x, y, batches, BATCH)
         self.assertWeightsClose(model, oracle, atol=1e-6)
         self.assertEqual(model.private_steps, 8)

@@ -45,10 +45,10 @@ class PoissonSampler(keras.utils.PyDataset):
     (and to at least one row, for an empty batch), so that a run compiles
     the step a few times only (about `8 * sqrt(batch_size) /
     pad_to_multiple_of` shapes). The sampling stays exactly Poisson (no
-    batch is cut), and a row of weight 0 has a zero loss, a zero gradient,
-    and so no effect on a private step that divides by the expected batch
-    size (`DifferentialPrivacyMixin(expected_batch_size=...)`), which the
-    model must then do. It does count in Keras' logged loss, which divides
+    batch is cut), and a row of weight 0 has no effect on a private step
+    that divides by the expected batch size
+    (`DifferentialPrivacyMixin(expected_batch_size=...)`, which the model
+    must then have): the mixin leaves such a row out. It does count in Keras' logged loss, which divides
     the weighted sum of a batch's losses by its number of rows: the logged
     loss is that of the batch's examples times their share of the rows.
     Metrics with sample weights (accuracy) leave the padding out.

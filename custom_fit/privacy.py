@@ -24,6 +24,7 @@ from typing import Any
 
 from keras import ops
 
+from custom_fit import _validation
 from custom_fit import backend
 from custom_fit._types import Tensor
 
@@ -251,27 +252,18 @@ def calibrate_noise(
             f"epochs={epochs!r}, steps={steps!r}. Pass for example "
             "epochs=20."
         )
-    if epochs is not None:
-        if (
-            isinstance(epochs, bool)
-            or not isinstance(epochs, int)
-            or (epochs < 1)
-        ):
-            raise ValueError(
-                "`epochs` must be an integer >= 1. Received: "
-                f"epochs={epochs!r}. Pass a whole number."
-            )
-        if isinstance(batch_size, int) and isinstance(num_examples, int):
-            steps = epochs * _steps_per_epoch(batch_size, num_examples)
-    _check_accounting(steps, batch_size, num_examples, 1.0, delta)
+    _check_accounting(0, batch_size, num_examples, 1.0, delta)
     _check_choices(accountant, sampling)
+    if steps is None:
+        epochs = _validation.positive_int("epochs", epochs)
+        steps = epochs * _steps_per_epoch(batch_size, num_examples)
+    _check_accounting(steps, batch_size, num_examples, 1.0, delta)
     if steps == 0 or not _positive(target_epsilon):
         raise ValueError(
             "`target_epsilon` must be a finite float > 0, for a run of at "
             f"least one step. Received: target_epsilon={target_epsilon!r}, "
             f"steps={steps!r}. Pass for example target_epsilon=3.0."
         )
-    assert steps is not None  # noqa: S101  (set from epochs above)
     target = float(target_epsilon)
     cache: dict[float, float] = {}
 

@@ -48,9 +48,10 @@ class PoissonSampler(keras.utils.PyDataset):
     batch is cut), and a row of weight 0 has no effect on a private step
     that divides by the expected batch size
     (`DifferentialPrivacyMixin(expected_batch_size=...)`, which the model
-    must then have): the mixin leaves such a row out. It does count in Keras' logged loss, which divides
-    the weighted sum of a batch's losses by its number of rows: the logged
-    loss is that of the batch's examples times their share of the rows.
+    must then have): the mixin leaves such a row out. It does count in
+    Keras' logged loss, which divides the weighted sum of a batch's losses
+    by its number of rows: the logged loss is that of the batch's examples
+    times their share of the rows.
     Metrics with sample weights (accuracy) leave the padding out.
 
     Draws are reproducible: batch `index` of epoch `epoch` depends only on

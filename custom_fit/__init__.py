@@ -12,6 +12,7 @@ from custom_fit import pcgrad
 from custom_fit import pipeline
 from custom_fit import privacy
 from custom_fit import regularization
+from custom_fit import sampling
 from custom_fit import sharpness
 from custom_fit.clipping_mixin import GradientClippingMixin
 from custom_fit.inspection_mixin import GradientInspectionMixin
@@ -41,5 +42,6 @@ __all__ = [
     "pipeline",
     "privacy",
     "regularization",
+    "sampling",
     "sharpness",
 ]

@@ -49,8 +49,10 @@ class ModelState:
         # PCGradMixin: the generator and the last order of the tasks.
         self.pcgrad_seeds: Any = None
         self.pcgrad_order: Any = None
-        # DifferentialPrivacyMixin: the generator of the noise.
+        # DifferentialPrivacyMixin: the generator of the noise, and the
+        # count of private steps run.
         self.dp_seeds: Any = None
+        self.dp_steps: Any = None
 
 
 def state_of(model: Any) -> ModelState:

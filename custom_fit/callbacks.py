@@ -418,34 +418,53 @@ class PrivacyBudget(keras.callbacks.Callback):
     """Logs the privacy spent so far, and can stop at a budget.
 
     At the end of each epoch it computes, with
-    `custom_fit.privacy.epsilon`, the epsilon that the model's private
-    updates so far spend at `delta` (the model is a
-    `custom_fit.DifferentialPrivacyMixin` model: its `noise_multiplier`,
-    and its optimizer's update count), and puts it in the epoch's logs as
+    `custom_fit.privacy.epsilon`, the epsilon that the private steps run so
+    far spend at `delta`, and puts it in the epoch's logs as
     `logs["epsilon"]` (History, `CSVLogger`, TensorBoard). With
     `max_epsilon`, it stops training at the end of the first epoch whose
     spending passes the budget, and says so.
 
-    The dataset's size and `delta` are yours to give: `num_examples` is the
-    number of training examples, `batch_size` the batch size `fit` uses.
+    The model is a `custom_fit.DifferentialPrivacyMixin` model. The steps
+    are its `private_steps`: every step the mechanism ran, skipped updates
+    included, over all its fits (after loading a saved model, where that
+    count restarts, no fewer than its optimizer's updates). The noise is
+    its `noise_multiplier`, halved when its microbatches hold several
+    examples (one example can then move its microbatch's clipped gradient
+    by twice the clip).
+
+    The accountant follows how the batches are drawn (`sampling`):
+    `"poisson"` for `custom_fit.sampling.PoissonSampler` batches, which the
+    model divides by their expected size (its `expected_batch_size`, which
+    must equal `batch_size`): the Poisson-subsampled Gaussian mechanism,
+    exact. `"shuffle"` for `fit`'s own shuffled batches of `batch_size`: a
+    Gaussian mechanism per epoch begun, a bound that holds for shuffling
+    but counts none of its amplification (see
+    `custom_fit.privacy.epsilon`). By default, `"poisson"` when the model
+    has an `expected_batch_size`, else `"shuffle"`.
 
     Args:
         num_examples: Integer. The number of training examples.
-        batch_size: Integer. The batch size of `fit`.
+        batch_size: Integer. The batch size of `fit`, or the sampler's
+            expected batch size.
         delta: Float in (0, 1 / num_examples).
         max_epsilon: Float or `None`. Stop once epsilon exceeds it.
         accountant: `"rdp"` (default) or `"pld"`; see
             `custom_fit.privacy.epsilon`.
+        sampling: `"poisson"`, `"shuffle"` or `None` (chosen from the model
+            when training begins, as above).
 
     Attributes:
         epsilons: List of the epsilon after each epoch.
+        sampling: The sampling accounted for (resolved when training
+            begins).
 
     Example:
 
     ```python
+    sampler = custom_fit.sampling.PoissonSampler(x, y, batch_size=64)
     budget = custom_fit.callbacks.PrivacyBudget(
         num_examples=len(x), batch_size=64, delta=1e-5, max_epsilon=8.0)
-    model.fit(x, y, batch_size=64, epochs=30, callbacks=[budget])
+    model.fit(sampler, epochs=30, callbacks=[budget])
     ```
     """
 
@@ -456,6 +475,7 @@ class PrivacyBudget(keras.callbacks.Callback):
         delta: float,
         max_epsilon: float | None = None,
         accountant: str = "rdp",
+        sampling: str | None = None,
     ) -> None:
         super().__init__()
         self.num_examples = _validation.positive_int(
@@ -466,21 +486,27 @@ class PrivacyBudget(keras.callbacks.Callback):
         self.max_epsilon = _validation.positive_float_or_none(
             "max_epsilon", max_epsilon
         )
-        self.accountant = _validation.one_of(("rdp", "pld"))(
+        self.accountant = _validation.one_of(privacy.ACCOUNTANTS)(
             "accountant", accountant
         )
+        if sampling is not None:
+            _validation.one_of(privacy.SAMPLINGS)("sampling", sampling)
+        self._sampling = sampling
+        self.sampling = sampling
         # Zero steps spend nothing; the call checks `delta` against
         # `num_examples` now, and that dp-accounting is installed.
         privacy.epsilon(0, self.batch_size, self.num_examples, 1.0, delta)
         self.epsilons: list[float] = []
+        self._noise = 0.0
 
     def on_train_begin(self, logs: Logs | None = None) -> None:
-        noise = getattr(self.model, "noise_multiplier", None)
+        model = self.model
+        noise = getattr(model, "noise_multiplier", None)
         if noise is None:
             raise ValueError(
                 "PrivacyBudget needs a model built with "
                 "custom_fit.DifferentialPrivacyMixin. Received: a model of "
-                f"class {type(self.model).__name__}. Add the mixin to the "
+                f"class {type(model).__name__}. Add the mixin to the "
                 "model's bases."
             )
         if not noise:
@@ -490,17 +516,41 @@ class PrivacyBudget(keras.callbacks.Callback):
                 "noise_multiplier > 0 to the model, or leave the callback "
                 "out."
             )
+        self.sampling = self._resolved_sampling(model.expected_batch_size)
+        grouped = model.num_microbatches not in (None, self.batch_size)
+        self._noise = float(noise) / (2.0 if grouped else 1.0)
         self.epsilons = []
 
+    def _resolved_sampling(self, expected_batch_size: float | None) -> str:
+        """Returns the sampling to account, checked against the model."""
+        sampling = self._sampling
+        if sampling is None:
+            sampling = "shuffle" if expected_batch_size is None else "poisson"
+        if sampling == "poisson" and expected_batch_size != self.batch_size:
+            raise ValueError(
+                "PrivacyBudget accounts Poisson-sampled batches of expected "
+                f"size batch_size={self.batch_size}, which the model must "
+                "divide by that size. Received: a model with "
+                f"expected_batch_size={expected_batch_size}. Train on "
+                "custom_fit.sampling.PoissonSampler batches with "
+                f"expected_batch_size={self.batch_size} on the model (and "
+                "the sampler's batch_size), or pass sampling='shuffle' for "
+                "fit's shuffled batches."
+            )
+        return sampling
+
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
-        steps = int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
+        model = self.model
+        updates = int(keras.ops.convert_to_numpy(model.optimizer.iterations))
+        steps = max(model.private_steps, updates)
         epsilon = privacy.epsilon(
             steps,
             self.batch_size,
             self.num_examples,
-            float(self.model.noise_multiplier),
+            self._noise,
             self.delta,
             self.accountant,
+            self.sampling or "shuffle",
         )
         self.epsilons.append(epsilon)
         if logs is not None:
@@ -508,7 +558,8 @@ class PrivacyBudget(keras.callbacks.Callback):
         if self.max_epsilon is not None and epsilon > self.max_epsilon:
             print(
                 f"PrivacyBudget: epsilon {epsilon:.3f} after epoch "
-                f"{epoch + 1} exceeds max_epsilon={self.max_epsilon}. "
-                "Stopping training."
+                f"{epoch + 1} ({steps} private steps, {self.sampling} "
+                f"sampling, {self.accountant} accountant) exceeds "
+                f"max_epsilon={self.max_epsilon}. Stopping training."
             )
-            self.model.stop_training = True
+            model.stop_training = True

@@ -18,22 +18,40 @@ epsilon = custom_fit.privacy.epsilon(
 ```
 """
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
 from keras import ops
 
 from custom_fit import _gradient_ops
+from custom_fit import _validation
 from custom_fit import backend
 from custom_fit._types import Tensor
 
 ACCOUNTANTS = ("rdp", "pld")
+SAMPLINGS = ("poisson", "shuffle")
+# The range `calibrate_noise` searches. Below MIN_NOISE no run is private
+# in any useful sense; above MAX_NOISE the accountants' epsilon stops
+# falling (their conversions to (epsilon, delta) have a floor).
+MIN_NOISE = 1e-2
+MAX_NOISE = 1e4
+# `calibrate_noise` stops within this share below the target.
+_CALIBRATION_RTOL = 5e-3
 
 
 def clip_and_sum(
-    per_microbatch_gradients: Sequence[Tensor], l2_norm_clip: Any
+    per_microbatch_gradients: Sequence[Tensor],
+    l2_norm_clip: Any,
+    mask: Any = None,
 ) -> tuple[list[Tensor], Tensor]:
     """Clips each microbatch's gradient in global norm, then sums them.
+
+    A microbatch whose gradient norm is not finite (a NaN or an Inf in its
+    gradient, or a norm beyond float32's range) contributes zero: it is
+    treated as a zero gradient, which is within any bound. So the sum is
+    finite whatever one microbatch holds, and no decision about the step
+    depends on one example's data.
 
     Args:
         per_microbatch_gradients: List, one per variable, of tensors whose
@@ -41,11 +59,13 @@ def clip_and_sum(
             gradient of that variable.
         l2_norm_clip: Positive float (or scalar tensor), the bound of each
             microbatch's gradient norm over all variables together.
+        mask: Boolean vector (one per microbatch) or `None`. A microbatch
+            whose entry is false contributes zero (a padding row).
 
     Returns:
         A tuple `(sums, norms)`: the list of summed clipped gradients, one
         per variable, and the vector of each microbatch's norm before
-        clipping.
+        clipping (NaN or Inf for a microbatch that contributed zero).
 
     Example:
 
@@ -61,7 +81,15 @@ def clip_and_sum(
     ]
     squares = [_gradient_ops.squared_sums_per_slice(g) for g in gradients]
     norms = ops.sqrt(ops.sum(ops.stack(squares), axis=0))
-    factors = ops.minimum(1.0, l2_norm_clip / ops.maximum(norms, 1e-30))
+    finite = ops.isfinite(norms)
+    factors = ops.where(
+        finite, ops.minimum(1.0, l2_norm_clip / ops.maximum(norms, 1e-30)), 0.0
+    )
+    if mask is not None:
+        factors = factors * ops.cast(mask, factors.dtype)
+    # A zero factor is not enough: 0 * NaN is NaN. The gradients of a
+    # non-finite microbatch are replaced by zeros before the sum.
+    gradients = [ops.where(_per_row(finite, g), g, 0.0) for g in gradients]
     # The factor-weighted sum over the microbatches as a contraction, not
     # a product then a sum: XLA then fuses each variable's per-example
     # gradients into one matrix product (a private step of the examples'
@@ -69,6 +97,11 @@ def clip_and_sum(
     # 7.6 ms with the contraction).
     sums = [ops.tensordot(factors, g, axes=1) for g in gradients]
     return sums, norms
+
+
+def _per_row(flags: Tensor, tensor: Tensor) -> Tensor:
+    """Returns the vector `flags` shaped to broadcast over `tensor`'s rows."""
+    return ops.reshape(flags, (-1,) + (1,) * (len(tensor.shape) - 1))
 
 
 def add_noise(
@@ -95,23 +128,44 @@ def epsilon(
     noise_multiplier: float,
     delta: float,
     accountant: str = "rdp",
+    sampling: str = "poisson",
 ) -> float:
     """Returns the epsilon that `steps` private steps spend at `delta`.
 
-    Each step is a Poisson-sampled Gaussian mechanism (sampling probability
-    `batch_size / num_examples`, noise `noise_multiplier`), composed
-    `steps` times, as computed by Google's `dp-accounting` package: with
-    Rényi DP (`"rdp"`, the default) or privacy loss distributions (`"pld"`,
-    tighter). Training with `fit` draws batches by shuffling, not by
-    Poisson sampling: the usual approximation of DP-SGD implementations.
+    Computed by Google's `dp-accounting` package, with Rényi DP (`"rdp"`,
+    the default) or privacy loss distributions (`"pld"`, tighter), for the
+    way the batches were drawn:
+
+    - `sampling="poisson"`: each step is the Gaussian mechanism on a batch
+      in which every example is included independently with probability
+      `batch_size / num_examples` (dp-accounting's `PoissonSampledDpEvent`),
+      composed `steps` times. Exact for batches drawn by
+      `custom_fit.sampling.PoissonSampler` and trained with the model's
+      `expected_batch_size` set.
+    - `sampling="shuffle"`: `fit`'s own batches (the data shuffled each
+      epoch and cut into batches of `batch_size`, so that each example is
+      in one step per epoch). No accountant computes the amplification
+      that shuffling gives, and the Poisson figure is not a bound for it;
+      this is the bound that holds: each example's one step per epoch is a
+      Gaussian mechanism, composed once per epoch begun (`ceil(steps /
+      ceil(num_examples / batch_size))` epochs), amplification not
+      counted.
+
+    Both are for one example's presence or absence, its gradient replaced
+    by zero (for Poisson sampling with a fixed divisor, the same as adding
+    or removing it). With microbatches of several examples, one example
+    can move its microbatch's clipped gradient by twice the clip: pass
+    `noise_multiplier / 2` (`custom_fit.callbacks.PrivacyBudget` does).
 
     Args:
-        steps: Integer >= 0, the number of private steps (updates).
-        batch_size: Integer >= 1, the expected batch size.
+        steps: Integer >= 0, the number of private steps run (skipped
+            updates included).
+        batch_size: Integer >= 1, the (expected) batch size.
         num_examples: Integer >= `batch_size`, the training set's size.
         noise_multiplier: Float > 0.
         delta: Float in (0, 1 / num_examples).
         accountant: `"rdp"` or `"pld"`.
+        sampling: `"poisson"` or `"shuffle"`, how the batches were drawn.
 
     Returns:
         A float.
@@ -119,38 +173,218 @@ def epsilon(
     Raises:
         ValueError: For a non-positive noise, a batch larger than the data,
             a `delta` of `1 / num_examples` or more (it would allow
-            publishing an example outright), or an unknown accountant.
+            publishing an example outright), or an unknown accountant or
+            sampling.
         ImportError: If `dp-accounting` is not installed.
+
+    Example:
+
+    ```python
+    >>> round(epsilon(steps=14062, batch_size=256, num_examples=60000,
+    ...               noise_multiplier=1.1, delta=1e-5), 2)
+    2.6
+    ```
     """
     _check_accounting(steps, batch_size, num_examples, noise_multiplier, delta)
-    if accountant not in ACCOUNTANTS:
+    _check_choices(accountant, sampling)
+    return _spent(
+        steps,
+        batch_size,
+        num_examples,
+        noise_multiplier,
+        delta,
+        accountant,
+        sampling,
+    )
+
+
+def calibrate_noise(
+    target_epsilon: float,
+    delta: float,
+    num_examples: int,
+    batch_size: int,
+    epochs: int | None = None,
+    steps: int | None = None,
+    accountant: str = "rdp",
+    sampling: str = "poisson",
+) -> float:
+    """Returns the noise multiplier that spends `target_epsilon`, no more.
+
+    Searches (by bisection) the `noise_multiplier` whose epsilon, as
+    `epsilon` computes it for these settings, is at most `target_epsilon`
+    and within 0.5% of it. Pass the result to the model:
+
+    ```python
+    noise = custom_fit.privacy.calibrate_noise(
+        target_epsilon=3.0, delta=1e-5, num_examples=60000, batch_size=256,
+        epochs=20)
+    model = Net(inputs, outputs, l2_norm_clip=1.0, noise_multiplier=noise,
+                expected_batch_size=256)
+    ```
+
+    Args:
+        target_epsilon: Float > 0. The privacy budget of the whole run.
+        delta: Float in (0, 1 / num_examples).
+        num_examples: Integer. The training set's size.
+        batch_size: Integer. The (expected) batch size.
+        epochs: Integer or `None`. The epochs of the run, of
+            `ceil(num_examples / batch_size)` steps each (`fit`'s count, and
+            `PoissonSampler`'s). Pass `epochs` or `steps`, not both.
+        steps: Integer or `None`. The private steps of the run.
+        accountant: `"rdp"` or `"pld"`; see `epsilon`.
+        sampling: `"poisson"` or `"shuffle"`; see `epsilon`.
+
+    Returns:
+        A float, the noise multiplier.
+
+    Raises:
+        ValueError: For bad arguments, or a target that no noise between
+            `MIN_NOISE` and `MAX_NOISE` meets: the message says the
+            smallest epsilon the accountant certifies for these settings,
+            and what to change.
+        ImportError: If `dp-accounting` is not installed.
+    """
+    if (epochs is None) == (steps is None):
         raise ValueError(
-            f"`accountant` must be one of {ACCOUNTANTS}. Received: "
-            f"accountant={accountant!r}. Pass one of the allowed values."
+            "Pass exactly one of `epochs` and `steps`. Received: "
+            f"epochs={epochs!r}, steps={steps!r}. Pass for example "
+            "epochs=20."
         )
+    _check_accounting(0, batch_size, num_examples, 1.0, delta)
+    _check_choices(accountant, sampling)
+    if steps is None:
+        epochs = _validation.positive_int("epochs", epochs)
+        steps = epochs * _steps_per_epoch(batch_size, num_examples)
+    _check_accounting(steps, batch_size, num_examples, 1.0, delta)
+    if steps == 0 or not _positive(target_epsilon):
+        raise ValueError(
+            "`target_epsilon` must be a finite float > 0, for a run of at "
+            f"least one step. Received: target_epsilon={target_epsilon!r}, "
+            f"steps={steps!r}. Pass for example target_epsilon=3.0."
+        )
+    target = float(target_epsilon)
+    cache: dict[float, float] = {}
+
+    def spent(noise: float) -> float:
+        if noise not in cache:
+            cache[noise] = _spent(
+                steps,
+                batch_size,
+                num_examples,
+                noise,
+                delta,
+                accountant,
+                sampling,
+            )
+        return cache[noise]
+
+    setting = (
+        f"delta={delta}, {steps} steps, batch_size={batch_size} of "
+        f"num_examples={num_examples}, accountant={accountant!r}, "
+        f"sampling={sampling!r}"
+    )
+    high = 1.0
+    while spent(high) > target:
+        if high >= MAX_NOISE:
+            raise ValueError(
+                f"No noise_multiplier up to {MAX_NOISE:g} spends "
+                f"target_epsilon={target} or less ({setting}): at "
+                f"{MAX_NOISE:g} the accountant still certifies epsilon "
+                f"{spent(high):.4g}, and more noise barely lowers it (its "
+                "conversion to (epsilon, delta) has a floor). Received: "
+                f"target_epsilon={target}. Ask for an epsilon above "
+                f"{spent(high):.3g}, or a larger delta, fewer steps or a "
+                "smaller batch_size."
+            )
+        high = min(high * 2, MAX_NOISE)
+    low = high / 2
+    while spent(low) <= target:
+        if low <= MIN_NOISE:
+            raise ValueError(
+                f"Even noise_multiplier={MIN_NOISE:g} spends no more than "
+                f"target_epsilon={target} ({setting}): the target is too "
+                "loose for the noise to be calibrated to it. Received: "
+                f"target_epsilon={target}. Ask for a smaller epsilon (DP-"
+                "SGD is usually run at epsilon 1 to 10)."
+            )
+        high, low = low, max(low / 2, MIN_NOISE)
+    # Invariant: spent(low) > target >= spent(high).
+    while spent(high) < (1 - _CALIBRATION_RTOL) * target and (
+        high - low > 1e-9 * high
+    ):
+        middle = (low + high) / 2
+        if spent(middle) > target:
+            low = middle
+        else:
+            high = middle
+    return high
+
+
+def _spent(
+    steps: int,
+    batch_size: int,
+    num_examples: int,
+    noise_multiplier: float,
+    delta: float,
+    accountant: str,
+    sampling: str,
+) -> float:
+    """Returns dp-accounting's epsilon for checked arguments."""
     try:
         import dp_accounting
         from dp_accounting import pld
         from dp_accounting import rdp
     except ImportError as error:
         raise ImportError(
-            "custom_fit.privacy.epsilon computes with Google's "
+            "custom_fit.privacy computes epsilon with Google's "
             "`dp-accounting` package, which is not installed. Install it "
             "with `pip install dp-accounting` or "
             "`pip install 'custom-fit[privacy]'`."
         ) from error
     if steps == 0:
         return 0.0
-    event = dp_accounting.SelfComposedDpEvent(
-        dp_accounting.PoissonSampledDpEvent(
-            batch_size / num_examples,
-            dp_accounting.GaussianDpEvent(noise_multiplier),
-        ),
-        steps,
-    )
+    gaussian = dp_accounting.GaussianDpEvent(noise_multiplier)
+    if sampling == "poisson":
+        event = dp_accounting.SelfComposedDpEvent(
+            dp_accounting.PoissonSampledDpEvent(
+                batch_size / num_examples, gaussian
+            ),
+            steps,
+        )
+    else:
+        epochs = -(-steps // _steps_per_epoch(batch_size, num_examples))
+        event = dp_accounting.SelfComposedDpEvent(gaussian, epochs)
     ledger = rdp.RdpAccountant() if accountant == "rdp" else pld.PLDAccountant()
     ledger.compose(event)
     return float(ledger.get_epsilon(delta))
+
+
+def _steps_per_epoch(batch_size: int, num_examples: int) -> int:
+    """Returns `ceil(num_examples / batch_size)`, the steps of an epoch."""
+    return -(-num_examples // batch_size)
+
+
+def _positive(value: Any) -> bool:
+    """Returns whether `value` is a finite number > 0 (not a bool)."""
+    return (
+        not isinstance(value, bool)
+        and isinstance(value, (int, float))
+        and math.isfinite(value)
+        and value > 0
+    )
+
+
+def _check_choices(accountant: Any, sampling: Any) -> None:
+    """Raises a `ValueError` for an unknown accountant or sampling."""
+    for name, value, allowed in (
+        ("accountant", accountant, ACCOUNTANTS),
+        ("sampling", sampling, SAMPLINGS),
+    ):
+        if value not in allowed:
+            raise ValueError(
+                f"`{name}` must be one of {allowed}. Received: "
+                f"{name}={value!r}. Pass one of the allowed values."
+            )
 
 
 def _check_accounting(
@@ -177,9 +411,7 @@ def _check_accounting(
             f"batch_size={batch_size}, num_examples={num_examples}. Pass "
             "the size of the whole training set as num_examples."
         )
-    if isinstance(noise_multiplier, bool) or not (
-        isinstance(noise_multiplier, (int, float)) and noise_multiplier > 0
-    ):
+    if not _positive(noise_multiplier):
         raise ValueError(
             "`noise_multiplier` must be a number > 0 for a finite epsilon. "
             f"Received: noise_multiplier={noise_multiplier!r}. Pass for "

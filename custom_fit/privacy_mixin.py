@@ -9,6 +9,7 @@ from custom_fit import _gradient_ops
 from custom_fit import _keras_compat
 from custom_fit import _model_state
 from custom_fit import _options
+from custom_fit import _state
 from custom_fit import _validation
 from custom_fit import backend
 from custom_fit import pipeline
@@ -52,6 +53,28 @@ def _noise(name: str, value: Any) -> float | None:
     return _number(name, value, zero_allowed=True)
 
 
+def _weighted(weights: Any) -> Tensor:
+    """Returns, per microbatch, whether any of its sample weights is not 0.
+
+    Args:
+        weights: The sample weights split into microbatches: a tensor, or
+            a nested structure of them, whose first axis is the microbatch.
+
+    Returns:
+        A boolean vector.
+    """
+    flags = [
+        ops.any(
+            ops.reshape(ops.not_equal(w, 0), (ops.shape(w)[0], -1)), axis=1
+        )
+        for w in keras.tree.flatten(weights)
+    ]
+    found = flags[0]
+    for more in flags[1:]:
+        found = ops.logical_or(found, more)
+    return found
+
+
 class DifferentialPrivacyMixin(TrainStepMixin):
     """Differentially private training (DP-SGD) with `fit`.
 
@@ -75,15 +98,34 @@ class DifferentialPrivacyMixin(TrainStepMixin):
     noise is added once for the global batch (the replicas draw it from
     the same state); on JAX the step sees the global batch.
 
+    A microbatch whose gradient is not finite (a NaN in an example, say)
+    contributes zero to the sum and still counts among the microbatches,
+    so the noisy gradient stays finite: no decision about the step
+    (`skip_nonfinite`'s skip included) depends on one example's data,
+    only on the noisy result. Every step runs the mechanism and is
+    counted in `private_steps`, skipped updates included.
+
+    Batches drawn by `custom_fit.sampling.PoissonSampler` (what the
+    accountant assumes) have random sizes: pass the sampler's `batch_size`
+    as `expected_batch_size`, and the noisy sum is divided by that fixed
+    number instead of the batch's size (which would tell whether an
+    example is in it). A microbatch whose sample weights are all 0 (such
+    a batch's padding rows) contributes nothing, not even the gradient of
+    `model.losses` that its loss includes.
+
     The logged loss and metrics are those of a forward pass over the whole
     batch. `logs["dp_clipped_fraction"]` is the share of microbatches whose
-    gradient was clipped. How much privacy a run spends is the accountant's
-    business: `custom_fit.privacy.epsilon` and
-    `custom_fit.callbacks.PrivacyBudget`.
+    gradient was clipped (or zeroed, when not finite). How much privacy a
+    run spends is the accountant's business: `custom_fit.privacy.epsilon`
+    and `custom_fit.callbacks.PrivacyBudget`; to ask for a target epsilon,
+    calibrate the noise with `custom_fit.privacy.calibrate_noise`.
 
     Layers that mix the examples of a batch (BatchNormalization in
     training mode) break per-example privacy and are refused at the first
     step; use `keras.layers.GroupNormalization` or `LayerNormalization`.
+    Dynamic loss scaling (`LossScaleOptimizer`, the `mixed_float16`
+    policy) is refused too: it lowers its scale when a gradient overflows,
+    a decision taken on the data; use `mixed_bfloat16`.
 
     Args:
         l2_norm_clip: Float > 0. The bound of each microbatch's gradient
@@ -95,6 +137,17 @@ class DifferentialPrivacyMixin(TrainStepMixin):
             batch, which must divide the batch size; `None` (the default)
             makes every example a microbatch.
         noise_seed: Integer >= 0 or `None`. Seed of the noise.
+        expected_batch_size: Float > 0 or `None`. With Poisson-sampled
+            batches, their expected size (`PoissonSampler.batch_size`): the
+            noisy sum is divided by it. `None` (the default) divides by the
+            number of microbatches of each batch. Needs one example per
+            microbatch (`num_microbatches=None`).
+
+    Attributes:
+        private_steps: Integer. The private steps run so far (the
+            mechanism's invocations, skipped updates included), over every
+            `fit` of this model; custom_fit state, not saved with the
+            model.
 
     Example:
 
@@ -119,9 +172,12 @@ class DifferentialPrivacyMixin(TrainStepMixin):
     noise_multiplier = _options.Option(None, _noise)
     num_microbatches = _options.Option(None, _validation.positive_int_or_none)
     noise_seed = _options.Option(None, _validation.seed_or_none)
+    expected_batch_size = _options.Option(
+        None, _validation.positive_float_or_none
+    )
 
     def _configure_options(self, options: dict[str, Any]) -> None:
-        """Checks the required options; makes the noise's generator."""
+        """Checks the options; makes the noise's generator and the count."""
         super()._configure_options(options)
         for name in ("l2_norm_clip", "noise_multiplier"):
             if getattr(self, name) is None:
@@ -138,9 +194,29 @@ class DifferentialPrivacyMixin(TrainStepMixin):
                     f"batch. Received: {name}={getattr(self, name)!r}. Leave "
                     f"`{name}` out."
                 )
+        if self.expected_batch_size is not None and (
+            self.num_microbatches is not None
+        ):
+            raise ValueError(
+                "`expected_batch_size` (Poisson-sampled batches) needs one "
+                "example per microbatch: a batch of random size split into "
+                "a fixed number of microbatches moves every example when "
+                "one is added, so no microbatch's clip bounds one example's "
+                "influence. Received: expected_batch_size="
+                f"{self.expected_batch_size}, num_microbatches="
+                f"{self.num_microbatches}. Leave num_microbatches out."
+            )
         state = _model_state.state_of(self)
         state.dp_seeds = keras.random.SeedGenerator(self.noise_seed)
         state.holder.track(state.dp_seeds.state)
+        state.dp_steps = _state.state_variable((), "int32", "private_steps")
+        state.holder.track(state.dp_steps)
+
+    @property
+    def private_steps(self) -> int:
+        """The private steps run so far, skipped updates included."""
+        counter = _model_state.state_of(self).dp_steps
+        return int(backend.current().host_value(self, counter))
 
     def train_step(self, data: Any) -> Logs:
         """Runs one private step: per-microbatch gradients, clip, noise.
@@ -155,6 +231,10 @@ class DifferentialPrivacyMixin(TrainStepMixin):
         self._refuse_batch_mixing()
         before = self._begin_train_step()
         optimizer = self._prepared(None)
+        self._refuse_dynamic_loss_scale(optimizer)
+        # The mechanism runs at every step, whatever becomes of the update.
+        counter = _model_state.state_of(self).dp_steps
+        counter.assign(backend.current().read(counter) + 1)
         y_pred = self.forward_pass(x, training=True)
         loss = _keras_compat.compute_loss(
             self, x, y, y_pred, sample_weight, training=True
@@ -233,10 +313,19 @@ class DifferentialPrivacyMixin(TrainStepMixin):
                 g / ops.cast(scale, g.dtype) for g in per_microbatch
             ]
         clip = ops.cast(self.l2_norm_clip, "float32")
-        sums, norms = privacy.clip_and_sum(per_microbatch, clip)
+        # A microbatch whose sample weights are all 0 (a padding row of a
+        # Poisson batch) contributes nothing, `model.losses` included.
+        mask = None if sample_weight is None else _weighted(inputs[2])
+        sums, norms = privacy.clip_and_sum(per_microbatch, clip, mask)
+        changed = ops.logical_or(
+            ops.greater(norms, clip), ops.logical_not(ops.isfinite(norms))
+        )
+        included = ops.ones_like(norms) if mask is None else mask
+        included = ops.cast(included, "float32")
         self._report(
             "dp_clipped_fraction",
-            ops.mean(ops.cast(norms > clip, "float32")),
+            ops.sum(ops.cast(changed, "float32") * included)
+            / ops.maximum(ops.sum(included), 1.0),
         )
         sums = pipeline.all_reduce_sum(sums)
         if self.noise_multiplier:
@@ -245,7 +334,9 @@ class DifferentialPrivacyMixin(TrainStepMixin):
                 ops.cast(self.noise_multiplier, "float32") * clip,
                 _model_state.state_of(self).dp_seeds,
             )
-        if microbatches is None:
+        if self.expected_batch_size is not None:
+            count = ops.cast(self.expected_batch_size, "float32")
+        elif microbatches is None:
             count = _keras_compat.batch_size(x, "float32") * replicas
         else:
             count = float(microbatches * replicas)
@@ -274,6 +365,22 @@ class DifferentialPrivacyMixin(TrainStepMixin):
                 "by the batch size)."
             )
         return count
+
+    def _refuse_dynamic_loss_scale(self, optimizer: Optimizer) -> None:
+        """Raises for a `LossScaleOptimizer`: its scale follows the data."""
+        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            raise ValueError(
+                "DifferentialPrivacyMixin does not combine with dynamic loss "
+                "scaling: a LossScaleOptimizer lowers its scale when a "
+                "gradient overflows, a decision taken on the data that the "
+                "accountant does not count, and DP-SGD gives a microbatch "
+                "whose gradient is not finite a zero gradient instead, so the "
+                "scale would never come down. Received: optimizer="
+                f"{type(optimizer).__name__} (the 'mixed_float16' policy "
+                "wraps the optimizer in one). Use the 'mixed_bfloat16' "
+                "policy, or float32, or a fixed loss_scale_factor on the "
+                "optimizer."
+            )
 
     def _refuse_batch_mixing(self) -> None:
         """Raises if a layer mixes the examples of a batch in training."""

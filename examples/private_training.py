@@ -5,17 +5,22 @@ Dense 64 - 10 logits) on scikit-learn's bundled 8x8 digits with
 `custom_fit.DifferentialPrivacyMixin`: every microbatch's true gradient
 (one example each by default) is clipped to `--l2_norm_clip` in global
 norm, the clipped gradients are summed, Gaussian noise of standard
-deviation `--noise_multiplier * --l2_norm_clip` is added, and the sum is
-divided by the number of microbatches. `custom_fit.callbacks.PrivacyBudget`
-logs the epsilon spent at `--delta` after each epoch (and stops at
-`--max_epsilon`, if given). Prints the validation accuracy and the epsilon
-spent.
+deviation `noise_multiplier * --l2_norm_clip` is added, and the sum is
+divided by the expected batch size (or the number of microbatches).
+`custom_fit.callbacks.PrivacyBudget` logs the epsilon spent at `--delta`
+after each epoch (and stops at `--max_epsilon`, if given). Prints the
+validation accuracy, the private steps run and the epsilon spent.
 
-The training set is cut to a whole number of batches, so that every step
-sees `--batch_size` examples (which `--num_microbatches` must divide) and
-the accountant's sampling rate, batch_size / examples, is the one used.
+With `--sampling=poisson` (the default) the batches come from
+`custom_fit.sampling.PoissonSampler`, each example in each batch with
+probability batch_size / examples, as the accountant assumes. With
+`--sampling=shuffle` they are `fit`'s shuffled batches (the training set
+cut to a whole number of them, which `--num_microbatches` must divide),
+accounted with one Gaussian mechanism per epoch. `--target_epsilon`
+calibrates the noise to spend that epsilon over `--epochs` instead of
+taking `--noise_multiplier`.
 
-    python examples/private_training.py --epochs=30 --noise_multiplier=1.1
+    python examples/private_training.py --epochs=30 --target_epsilon=3
 """
 
 import os
@@ -37,11 +42,23 @@ _L2_NORM_CLIP = flags.DEFINE_float(
 _NOISE_MULTIPLIER = flags.DEFINE_float(
     "noise_multiplier", 1.1, "Noise standard deviation / l2_norm_clip."
 )
+_TARGET_EPSILON = flags.DEFINE_float(
+    "target_epsilon",
+    None,
+    "Calibrate the noise to spend this epsilon over --epochs (overrides "
+    "--noise_multiplier).",
+)
+_SAMPLING = flags.DEFINE_enum(
+    "sampling",
+    "poisson",
+    ["poisson", "shuffle"],
+    "Poisson-sampled batches, or fit's shuffled batches.",
+)
 _NUM_MICROBATCHES = flags.DEFINE_integer(
     "num_microbatches",
     None,
-    "Microbatches per batch (a divisor of batch_size); default: one per "
-    "example.",
+    "Microbatches per batch (a divisor of batch_size; --sampling=shuffle "
+    "only); default: one per example.",
 )
 _EPOCHS = flags.DEFINE_integer("epochs", 30, "Training epochs.")
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", 64, "Batch size.")
@@ -67,14 +84,34 @@ def main(argv):
     keras.utils.set_random_seed(_SEED.value)
     (x_train, y_train), (x_val, y_val) = digits.load_digits(_SEED.value)
     batch_size = _BATCH_SIZE.value
-    kept = len(x_train) // batch_size * batch_size
-    x_train, y_train = x_train[:kept], y_train[:kept]
+    poisson = _SAMPLING.value == "poisson"
+    if poisson:
+        data = dict(
+            x=custom_fit.sampling.PoissonSampler(
+                x_train, y_train, batch_size, seed=_SEED.value
+            )
+        )
+    else:
+        kept = len(x_train) // batch_size * batch_size
+        x_train, y_train = x_train[:kept], y_train[:kept]
+        data = dict(x=x_train, y=y_train, batch_size=batch_size)
+    noise = _NOISE_MULTIPLIER.value
+    if _TARGET_EPSILON.value is not None:
+        noise = custom_fit.privacy.calibrate_noise(
+            _TARGET_EPSILON.value,
+            _DELTA.value,
+            num_examples=len(x_train),
+            batch_size=batch_size,
+            epochs=_EPOCHS.value,
+            sampling=_SAMPLING.value,
+        )
     model = mlp.build(
         PrivateMLP,
         x_train.shape[1],
         l2_norm_clip=_L2_NORM_CLIP.value,
-        noise_multiplier=_NOISE_MULTIPLIER.value,
+        noise_multiplier=noise,
         num_microbatches=_NUM_MICROBATCHES.value,
+        expected_batch_size=batch_size if poisson else None,
         noise_seed=_SEED.value,
     )
     model.compile(
@@ -83,23 +120,22 @@ def main(argv):
         metrics=["accuracy"],
     )
     budget = callbacks.PrivacyBudget(
-        num_examples=kept,
+        num_examples=len(x_train),
         batch_size=batch_size,
         delta=_DELTA.value,
         max_epsilon=_MAX_EPSILON.value,
     )
     history = model.fit(
-        x_train,
-        y_train,
-        batch_size=batch_size,
+        **data,
         epochs=_EPOCHS.value,
         validation_data=(x_val, y_val),
         callbacks=[budget],
         verbose=2,
     )
-    steps = int(keras.ops.convert_to_numpy(model.optimizer.iterations))
-    print(f"training examples: {kept}")
-    print(f"steps: {steps}")
+    print(f"training examples: {len(x_train)}")
+    print(f"sampling: {budget.sampling}")
+    print(f"noise multiplier: {noise!r}")
+    print(f"steps: {model.private_steps}")
     print(f"validation accuracy: {history.history['val_accuracy'][-1]:.4f}")
     print(f"epsilon: {budget.epsilons[-1]:.6f}")
     print(f"delta: {_DELTA.value:g}")

@@ -20,6 +20,7 @@ from scipy import stats
 import custom_fit
 from custom_fit import callbacks
 from custom_fit import privacy
+from custom_fit import sampling
 from tests import testing
 
 
@@ -50,8 +51,9 @@ def oracle_training(
     """Trains the plain Keras `model` with DP-SGD without noise, one SGD
     step per batch of `BATCH`, in order: each microbatch's gradient by
     `testing.tape_gradients` on its slice (its examples' mean loss plus
-    `model.losses`), clipped to `clip` in global norm with NumPy, the
-    clipped gradients averaged. Returns the share of microbatches clipped.
+    `model.losses`), clipped to `clip` in global norm with NumPy (a
+    gradient that is not finite counts as zero), the clipped gradients
+    averaged. Returns the share of microbatches clipped.
     """
     crossentropy = testing.sparse_crossentropy()
     clipped = []
@@ -70,7 +72,7 @@ def oracle_training(
                     return crossentropy(y_true, y_pred, sample_weight=weights)
 
             grads = testing.tape_gradients(model, xb[part], yb[part], loss_fn)
-            grads = [np.asarray(g, np.float64) for g in grads]
+            grads = finite_or_zero(grads)
             clipped.append(testing.l2_norm(grads) > clip)
             grads = testing.numpy_clip_by_global_norm(grads, clip)
             total = (
@@ -83,6 +85,38 @@ def oracle_training(
             testing.weights_after_one_sgd_step(model.get_weights(), mean, RATE)
         )
     return float(np.mean(clipped))
+
+
+def finite_or_zero(grads):
+    """One microbatch's gradients in float64, all zero when any entry is
+    not finite (the rule for a NaN or Inf example)."""
+    grads = [np.asarray(g, np.float64) for g in grads]
+    if not all(np.all(np.isfinite(g)) for g in grads):
+        return [np.zeros_like(g) for g in grads]
+    return grads
+
+
+def poisson_oracle_training(model, x, y, batches, expected, clip=CLIP):
+    """Trains the plain Keras `model` with noiseless DP-SGD on the given
+    batches (arrays of example indices), one SGD step each: every example's
+    gradient by `testing.tape_gradients`, clipped with NumPy, summed, and
+    divided by the `expected` batch size (an empty batch: a zero step)."""
+    crossentropy = testing.sparse_crossentropy()
+    for batch in batches:
+        total = [np.zeros(w.shape) for w in model.get_weights()]
+        for example in batch:
+            part = slice(example, example + 1)
+            grads = testing.tape_gradients(
+                model, x[part], y[part], crossentropy
+            )
+            grads = finite_or_zero(grads)
+            grads = testing.numpy_clip_by_global_norm(grads, clip)
+            total = [t + g for t, g in zip(total, grads)]
+        model.set_weights(
+            testing.weights_after_one_sgd_step(
+                model.get_weights(), [t / expected for t in total], RATE
+            )
+        )
 
 
 def regularized_mlp(model_class=keras.Model, **kwargs):
@@ -150,6 +184,29 @@ def zero_gradient_model(model_class, units=50, **kwargs):
     return model_class(inputs, outputs, **kwargs)
 
 
+class RecordingSampler(sampling.PoissonSampler):
+    """Records the example indices of each batch it serves during an epoch
+    (the batches trained on, in order; a batch served before the first
+    epoch, to learn the batches' structure, is not trained on)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.trained = []
+        self.in_epoch = False
+
+    def on_epoch_begin(self):
+        self.in_epoch = True
+
+    def on_epoch_end(self):
+        super().on_epoch_end()
+        self.in_epoch = False
+
+    def __getitem__(self, index):
+        if self.in_epoch:
+            self.trained.append(self.indices(self.epoch, index))
+        return super().__getitem__(index)
+
+
 class KernelAfterEachBatch(keras.callbacks.Callback):
     """Records the (only) kernel after every batch."""
 
@@ -198,6 +255,14 @@ def dp_accounting_epsilon(steps, q, noise, delta, accountant="rdp"):
     return ledger.get_epsilon(delta)
 
 
+def dp_accounting_gaussian_epsilon(epochs, noise, delta, accountant="rdp"):
+    """The epsilon of `epochs` Gaussian mechanisms (each example's one step
+    per epoch of shuffled batches), asked of dp-accounting directly."""
+    ledger = rdp.RdpAccountant() if accountant == "rdp" else pld.PLDAccountant()
+    ledger.compose(dp_accounting.GaussianDpEvent(noise), epochs)
+    return ledger.get_epsilon(delta)
+
+
 class ClipAndSumTest(testing.TestCase):
     def test_equals_the_numpy_definition(self):
         """Each microbatch's gradient, over all variables, is scaled to a
@@ -221,6 +286,35 @@ class ClipAndSumTest(testing.TestCase):
         self.assertAllClose(norms, expected_norms)
         self.assertAllClose(sums, expected_sums)
         self.assertTrue(np.all(np.isfinite(testing.to_numpy(sums[0]))))
+
+    def test_a_non_finite_microbatch_contributes_zero(self):
+        """A microbatch with a NaN or an Inf (in one variable) adds nothing;
+        the others are clipped and summed as without it."""
+        rng = np.random.RandomState(1)
+        grads = [rng.randn(4, 3).astype("float32"), rng.randn(4, 2, 2)]
+        grads[1] = grads[1].astype("float32")
+        grads[0][1, 2] = np.nan
+        grads[1][3, 0, 1] = np.inf
+        sums, norms = privacy.clip_and_sum(grads, 1.0)
+        expected = [0.0, 0.0]
+        for m in (0, 2):
+            mine = [g[m].astype(np.float64) for g in grads]
+            mine = testing.numpy_clip_by_global_norm(mine, 1.0)
+            expected = [s + g for s, g in zip(expected, mine)]
+        self.assertAllClose(sums, expected)
+        norms = testing.to_numpy(norms)
+        self.assertTrue(np.isnan(norms[1]) and np.isinf(norms[3]))
+
+    def test_a_masked_microbatch_contributes_zero(self):
+        """A microbatch whose mask entry is false (a padding row) adds
+        nothing; the others are clipped and summed."""
+        grads = [np.random.RandomState(2).randn(3, 4).astype("float32")]
+        sums, _ = privacy.clip_and_sum(grads, 1.0, np.array([1, 0, 1]) > 0)
+        kept = [
+            testing.numpy_clip_by_global_norm([g.astype(np.float64)], 1.0)[0]
+            for g in grads[0][[0, 2]]
+        ]
+        self.assertAllClose(sums[0], kept[0] + kept[1])
 
 
 class DifferentialPrivacyMixinTest(testing.TestCase):
@@ -334,6 +428,7 @@ class DifferentialPrivacyMixinTest(testing.TestCase):
         oracle = testing.mlp()
         oracle_training(oracle, x, y, None)
         self.assertWeightsClose(model, oracle, atol=1e-6)
+        self.assertEqual(model.private_steps, 4)  # each replica's count
 
     @parameterized.named_parameters(
         ("one_device", False, None),
@@ -393,6 +488,116 @@ class DifferentialPrivacyMixinTest(testing.TestCase):
         self.assertAllClose(trained(7), trained(7), atol=0, rtol=0)
         self.assertGreater(np.abs(trained(7) - trained(8)).max(), 1e-3)
 
+    @parameterized.named_parameters(
+        ("guard_off", False, dict(jit_compile=False)),
+        ("skip_nonfinite", True, dict(jit_compile=True)),
+    )
+    def test_a_nan_example_is_zeroed_and_the_rest_clipped_as_the_oracle(
+        self, skip_nonfinite, mode
+    ):
+        """A NaN in one example of a batch: without noise the step equals
+        the oracle in which that example's gradient is zero (still counted
+        in the divisor), every step is applied and counted, none skipped,
+        and the logged clipped share counts the zeroed example."""
+        x, y = testing.classification_data(samples=4 * BATCH)
+        x[BATCH + 5, 2] = np.nan
+        model = testing.mlp(
+            PrivateNet,
+            l2_norm_clip=CLIP,
+            noise_multiplier=0.0,
+            skip_nonfinite=skip_nonfinite,
+        )
+        model.compile(
+            optimizer=keras.optimizers.SGD(RATE),
+            loss=testing.sparse_crossentropy(),
+            **mode,
+        )
+        history = model.fit(
+            x, y, batch_size=BATCH, shuffle=False, verbose=0
+        ).history
+        oracle = testing.mlp()
+        oracle_training(oracle, x, y, None)
+        self.assertWeightsClose(model, oracle, atol=1e-6)
+        self.assertEqual(model.private_steps, 4)
+        self.assertEqual(int(testing.to_numpy(model.optimizer.iterations)), 4)
+        if skip_nonfinite:
+            self.assertEqual(history["skipped_steps"][-1], 0.0)
+
+    def test_a_nan_example_leaves_the_noise_as_in_a_clean_batch(self):
+        """With noise, the step of a batch with a NaN example minus its
+        noiseless oracle step is the same noise as that of the same batch
+        with the example made finite (same seed): the NaN changes neither
+        the noise nor its scale."""
+
+        def noise_of(x, y):
+            model = testing.mlp(
+                PrivateNet,
+                l2_norm_clip=CLIP,
+                noise_multiplier=1.3,
+                noise_seed=5,
+            )
+            model.compile(
+                optimizer=keras.optimizers.SGD(RATE),
+                loss=testing.sparse_crossentropy(),
+            )
+            model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+            oracle = testing.mlp()
+            oracle_training(oracle, x, y, None)
+            return [
+                a - b for a, b in zip(model.get_weights(), oracle.get_weights())
+            ]
+
+        x, y = testing.classification_data(samples=BATCH)
+        poisoned = x.copy()
+        poisoned[5, 2] = np.nan
+        noise = noise_of(poisoned, y)
+        self.assertAllClose(noise, noise_of(x, y), atol=1e-6)
+        scale = np.std(np.concatenate([n.ravel() for n in noise]))
+        self.assertGreater(scale, 1.3 * CLIP * RATE / BATCH / 3)
+
+    @parameterized.named_parameters(
+        ("graph", dict(jit_compile=False), False),
+        (
+            "jit_steps_per_execution",
+            dict(jit_compile=True, steps_per_execution=3),
+            False,
+        ),
+        ("model_losses", dict(jit_compile=False), True),
+    )
+    def test_poisson_batches_train_as_hand_run_dp_sgd(self, mode, regularized):
+        """fit on PoissonSampler batches (padded), dividing by the expected
+        batch size, equals DP-SGD run by hand on the same batches (their
+        example indices from the sampler): per-example gradients (with
+        `model.losses`), clipped with NumPy, summed, divided by the expected
+        size, SGD. Padding rows contribute nothing, `model.losses`
+        included."""
+        build = regularized_mlp if regularized else testing.mlp
+        x, y = testing.classification_data(samples=4 * BATCH)
+        sampler = RecordingSampler(
+            x, y, batch_size=BATCH, seed=7, pad_to_multiple_of=8
+        )
+        model = build(
+            PrivateNet,
+            l2_norm_clip=CLIP,
+            noise_multiplier=0.0,
+            expected_batch_size=sampler.batch_size,
+        )
+        model.compile(
+            optimizer=keras.optimizers.SGD(RATE),
+            loss=testing.sparse_crossentropy(),
+            **mode,
+        )
+        model.fit(sampler, epochs=2, verbose=0)
+        # The last 8 served: on JAX the first call of a train function runs
+        # a discovery pass on one batch first, whose result is not kept.
+        batches = sampler.trained[-8:]
+        sizes = {len(b) for b in batches}
+        self.assertGreater(len(sizes), 1)  # batches of several sizes
+        oracle = build()
+        poisson_oracle_training(oracle, x, y, batches, BATCH)
+        self.assertWeightsClose(model, oracle, atol=1e-6)
+        self.assertEqual(model.private_steps, 8)
+
     def test_options_survive_clone_config_and_saving(self):
         """clone_model, from_config and a .keras file keep the privacy
         options (a model is never built without its required options)."""
@@ -450,6 +655,41 @@ class RefusalTest(testing.TestCase):
                 noise_multiplier=1.0,
                 gradient_accumulation_steps=2,
             )
+
+    def test_expected_batch_size_with_microbatches_is_refused(self):
+        with self.assertRaisesRegex(
+            ValueError, "expected_batch_size=16.0, num_microbatches=4"
+        ):
+            testing.mlp(
+                PrivateNet,
+                l2_norm_clip=1.0,
+                noise_multiplier=1.0,
+                num_microbatches=4,
+                expected_batch_size=16,
+            )
+
+    def test_bad_expected_batch_size_is_named(self):
+        with self.assertRaisesRegex(ValueError, "expected_batch_size=0"):
+            testing.mlp(
+                PrivateNet,
+                l2_norm_clip=1.0,
+                noise_multiplier=1.0,
+                expected_batch_size=0,
+            )
+
+    def test_dynamic_loss_scaling_is_refused(self):
+        """A LossScaleOptimizer decides its scale on the data; refused at
+        the first step, naming the policy to use."""
+        x, y = testing.classification_data(samples=BATCH)
+        model = testing.mlp(PrivateNet, l2_norm_clip=1.0, noise_multiplier=1.0)
+        model.compile(
+            optimizer=keras.optimizers.LossScaleOptimizer(
+                keras.optimizers.SGD()
+            ),
+            loss=testing.sparse_crossentropy(),
+        )
+        with self.assertRaisesRegex(ValueError, "mixed_bfloat16"):
+            model.fit(x, y, batch_size=BATCH, verbose=0)
 
     def test_num_microbatches_not_dividing_the_batch_names_its_size(self):
         x, y = testing.classification_data(samples=BATCH)
@@ -544,21 +784,138 @@ class EpsilonTest(testing.TestCase):
             ("delta", 0.01),
             ("delta", 0),
             ("accountant", "moments"),
+            ("sampling", "uniform"),
         ):
             arguments = dict(good, **{name: value})
             with self.assertRaisesRegex(ValueError, f"{name}={value!r}"):
                 privacy.epsilon(**arguments)
 
+    @parameterized.parameters("rdp", "pld")
+    def test_shuffled_batches_compose_one_gaussian_per_epoch(self, accountant):
+        """With sampling="shuffle", 1,000 steps of batches of 256 among
+        60,000 examples (235 steps an epoch) spend what 5 Gaussian
+        mechanisms spend (epochs begun), asked of dp-accounting."""
+        actual = privacy.epsilon(
+            1000, 256, 60000, 1.1, 1e-5, accountant, sampling="shuffle"
+        )
+        expected = dp_accounting_gaussian_epsilon(5, 1.1, 1e-5, accountant)
+        self.assertAllClose(actual, expected, rtol=1e-9, atol=0)
+
+
+class CalibrateNoiseTest(testing.TestCase):
+    @parameterized.named_parameters(
+        ("rdp_poisson", "rdp", "poisson", 3.0, dict(epochs=60)),
+        ("rdp_shuffle", "rdp", "shuffle", 8.0, dict(epochs=60)),
+        ("pld_poisson", "pld", "poisson", 1.0, dict(steps=500)),
+    )
+    def test_spends_the_target_within_one_percent_below(
+        self, accountant, sampling, target, length
+    ):
+        """The calibrated noise spends at most the target and at least 99%
+        of it, as dp-accounting computes it called directly."""
+        noise = privacy.calibrate_noise(
+            target,
+            1e-5,
+            num_examples=60000,
+            batch_size=256,
+            accountant=accountant,
+            sampling=sampling,
+            **length,
+        )
+        steps = length.get("steps") or 60 * 235
+        if sampling == "poisson":
+            spent = dp_accounting_epsilon(
+                steps, 256 / 60000, noise, 1e-5, accountant
+            )
+        else:
+            spent = dp_accounting_gaussian_epsilon(60, noise, 1e-5, accountant)
+        self.assertBetween(spent, 0.99 * target, target)
+        self.assertAllClose(
+            privacy.epsilon(
+                steps, 256, 60000, noise, 1e-5, accountant, sampling
+            ),
+            spent,
+            rtol=1e-9,
+            atol=0,
+        )
+
+    def test_side_by_side_with_opacus(self):
+        """Opacus' get_noise_multiplier (its own RDP accountant) for the
+        same settings gives a noise within 1% of ours, which dp-accounting
+        says spends no more than the target."""
+        try:
+            from opacus.accountants import utils as opacus_utils
+        except ImportError:
+            self.skipTest("opacus is not installed (pip install opacus)")
+        for target, batch_size, epochs in ((3.0, 256, 60), (1.0, 64, 5)):
+            steps = epochs * -(-60000 // batch_size)
+            ours = privacy.calibrate_noise(
+                target, 1e-5, 60000, batch_size, steps=steps
+            )
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "optimal order is ..."
+                theirs = opacus_utils.get_noise_multiplier(
+                    target_epsilon=target,
+                    target_delta=1e-5,
+                    sample_rate=batch_size / 60000,
+                    steps=steps,
+                    accountant="rdp",
+                )
+            self.assertAllClose(ours, theirs, rtol=0.01, atol=0)
+            self.assertLessEqual(
+                dp_accounting_epsilon(steps, batch_size / 60000, theirs, 1e-5),
+                target,
+            )
+
+    def test_unreachable_targets_say_what_would_meet_them(self):
+        settings = dict(delta=1e-5, num_examples=60000, batch_size=256)
+        with self.assertRaisesRegex(
+            ValueError, r"target_epsilon=0.001\. Ask for an epsilon above"
+        ):
+            privacy.calibrate_noise(0.001, epochs=60, **settings)
+        with self.assertRaisesRegex(ValueError, "Ask for a smaller epsilon"):
+            privacy.calibrate_noise(1e9, steps=1, **settings)
+
+    def test_bad_arguments_are_named(self):
+        settings = dict(delta=1e-5, num_examples=60000, batch_size=256)
+        for arguments, received in (
+            (dict(target_epsilon=1.0), "epochs=None, steps=None"),
+            (
+                dict(target_epsilon=1.0, epochs=2, steps=3),
+                "epochs=2, steps=3",
+            ),
+            (dict(target_epsilon=1.0, epochs=0), "epochs=0"),
+            (dict(target_epsilon=-1.0, epochs=1), "target_epsilon=-1.0"),
+            (dict(target_epsilon=1.0, epochs=1, sampling="x"), "sampling="),
+        ):
+            with self.assertRaisesRegex(ValueError, received):
+                privacy.calibrate_noise(**settings, **arguments)
+
+
+class NaNTransform(PrivateNet):
+    """Returns NaN gradients from `transform_gradients` at every step: a
+    post-processing of the noisy gradient that makes the guard skip every
+    update."""
+
+    def transform_gradients(self, gradients, variables):
+        gradients = super().transform_gradients(gradients, variables)
+        return [g * np.nan for g in gradients]
+
 
 class PrivacyBudgetTest(testing.TestCase):
-    def private_model(self, noise_multiplier=1.1, **mode):
+    def private_model(
+        self, noise_multiplier=1.1, model_class=PrivateNet, mode=None, **options
+    ):
         model = testing.mlp(
-            PrivateNet, l2_norm_clip=1.0, noise_multiplier=noise_multiplier
+            model_class,
+            l2_norm_clip=1.0,
+            noise_multiplier=noise_multiplier,
+            **options,
         )
         model.compile(
             optimizer=keras.optimizers.SGD(RATE),
             loss=testing.sparse_crossentropy(),
-            **mode,
+            **(mode or {}),
         )
         return model
 
@@ -566,11 +923,15 @@ class PrivacyBudgetTest(testing.TestCase):
         ("rdp", "rdp", {}),
         ("pld_steps_per_execution", "pld", dict(steps_per_execution=2)),
     )
-    def test_logs_the_epsilon_of_the_updates_so_far(self, accountant, mode):
-        """After each epoch, logs["epsilon"] is dp-accounting's epsilon of
-        the updates made so far, across two fits."""
+    def test_logs_the_epsilon_of_poisson_steps_so_far(self, accountant, mode):
+        """On PoissonSampler batches, after each epoch logs["epsilon"] is
+        dp-accounting's Poisson-sampled epsilon of the steps run so far,
+        across two fits."""
         x, y = testing.classification_data(samples=4 * BATCH)
-        model = self.private_model(**mode)
+        sampler = sampling.PoissonSampler(x, y, batch_size=BATCH, seed=0)
+        model = self.private_model(
+            mode=mode, expected_batch_size=sampler.batch_size
+        )
         budget = callbacks.PrivacyBudget(
             num_examples=len(x),
             batch_size=BATCH,
@@ -578,10 +939,11 @@ class PrivacyBudgetTest(testing.TestCase):
             accountant=accountant,
         )
         first = model.fit(
-            x, y, batch_size=BATCH, epochs=2, callbacks=[budget], verbose=0
+            sampler, epochs=2, callbacks=[budget], verbose=0
         ).history
+        self.assertEqual(budget.sampling, "poisson")
         second = model.fit(
-            x, y, batch_size=BATCH, epochs=1, callbacks=[budget], verbose=0
+            sampler, epochs=1, callbacks=[budget], verbose=0
         ).history
         expected = [
             dp_accounting_epsilon(steps, BATCH / len(x), 1.1, 1e-3, accountant)
@@ -591,11 +953,77 @@ class PrivacyBudgetTest(testing.TestCase):
         self.assertAllClose(second["epsilon"], expected[2:], rtol=1e-9)
         self.assertAllClose(budget.epsilons, expected[2:], rtol=1e-9)
 
+    def test_shuffled_batches_spend_a_gaussian_per_epoch(self):
+        """On fit's shuffled batches (no expected_batch_size), the epsilon
+        is that of one Gaussian mechanism per epoch."""
+        x, y = testing.classification_data(samples=4 * BATCH)
+        model = self.private_model()
+        budget = callbacks.PrivacyBudget(
+            num_examples=len(x), batch_size=BATCH, delta=1e-3
+        )
+        history = model.fit(
+            x, y, batch_size=BATCH, epochs=2, callbacks=[budget], verbose=0
+        ).history
+        self.assertEqual(budget.sampling, "shuffle")
+        expected = [
+            dp_accounting_gaussian_epsilon(epochs, 1.1, 1e-3)
+            for epochs in (1, 2)
+        ]
+        self.assertAllClose(history["epsilon"], expected, rtol=1e-9)
+
+    def test_microbatches_of_several_examples_halve_the_noise(self):
+        """One example moves its microbatch's clipped gradient by up to
+        twice the clip: the accountant is told noise_multiplier / 2."""
+        x, y = testing.classification_data(samples=4 * BATCH)
+        model = self.private_model(num_microbatches=4)
+        budget = callbacks.PrivacyBudget(
+            num_examples=len(x), batch_size=BATCH, delta=1e-3
+        )
+        history = model.fit(
+            x, y, batch_size=BATCH, callbacks=[budget], verbose=0
+        ).history
+        expected = dp_accounting_gaussian_epsilon(1, 1.1 / 2, 1e-3)
+        self.assertAllClose(history["epsilon"], [expected], rtol=1e-9)
+
+    @parameterized.named_parameters(
+        ("graph", dict(jit_compile=False)),
+        (
+            "jit_steps_per_execution",
+            dict(jit_compile=True, steps_per_execution=2),
+        ),
+    )
+    def test_skipped_updates_are_counted(self, mode):
+        """Every update skipped (a transform makes the noisy gradient NaN):
+        the optimizer makes no update, and the budget still counts every
+        step the mechanism ran."""
+        x, y = testing.classification_data(samples=4 * BATCH)
+        sampler = sampling.PoissonSampler(x, y, batch_size=BATCH, seed=0)
+        model = self.private_model(
+            model_class=NaNTransform,
+            mode=mode,
+            skip_nonfinite=True,
+            expected_batch_size=BATCH,
+        )
+        budget = callbacks.PrivacyBudget(
+            num_examples=len(x), batch_size=BATCH, delta=1e-3
+        )
+        history = model.fit(
+            sampler, epochs=2, callbacks=[budget], verbose=0
+        ).history
+        self.assertEqual(int(testing.to_numpy(model.optimizer.iterations)), 0)
+        self.assertEqual(history["skipped_steps"], [4.0, 4.0])
+        self.assertEqual(model.private_steps, 8)
+        expected = [
+            dp_accounting_epsilon(steps, BATCH / len(x), 1.1, 1e-3)
+            for steps in (4, 8)
+        ]
+        self.assertAllClose(history["epsilon"], expected, rtol=1e-9)
+
     def test_stops_at_the_first_epoch_past_the_budget(self):
         x, y = testing.classification_data(samples=4 * BATCH)
         after = [
-            dp_accounting_epsilon(steps, BATCH / len(x), 1.1, 1e-3)
-            for steps in (4, 8)
+            dp_accounting_gaussian_epsilon(epochs, 1.1, 1e-3)
+            for epochs in (1, 2)
         ]
         budget = callbacks.PrivacyBudget(
             num_examples=len(x),
@@ -625,12 +1053,31 @@ class PrivacyBudgetTest(testing.TestCase):
         with self.assertRaisesRegex(ValueError, "noise_multiplier=0.0"):
             noiseless.fit(x, y, callbacks=[budget], verbose=0)
 
+    def test_refuses_poisson_accounting_of_other_batches(self):
+        """sampling="poisson" needs a model that divides by the same
+        expected batch size."""
+        x, y = testing.classification_data(samples=2 * BATCH)
+        for options, received in (
+            ({}, "expected_batch_size=None"),
+            (dict(expected_batch_size=8), "expected_batch_size=8.0"),
+        ):
+            budget = callbacks.PrivacyBudget(
+                num_examples=len(x),
+                batch_size=BATCH,
+                delta=1e-3,
+                sampling="poisson",
+            )
+            model = self.private_model(**options)
+            with self.assertRaisesRegex(ValueError, received):
+                model.fit(x, y, callbacks=[budget], verbose=0)
+
     def test_bad_arguments_are_refused_at_construction(self):
         for name, value in (
             ("delta", 0.5),
             ("batch_size", 0),
             ("max_epsilon", -1.0),
             ("accountant", "moments"),
+            ("sampling", "uniform"),
         ):
             arguments = dict(num_examples=100, batch_size=10, delta=1e-3)
             arguments[name] = value

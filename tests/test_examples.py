@@ -287,15 +287,16 @@ class TestExamples:
     def test_private_training_learns_and_spends_dp_accountings_epsilon(
         self, backend
     ):
-        """DP-SGD learns digits well above chance in three epochs, and the
-        epsilon printed is dp-accounting's for the steps it made."""
+        """DP-SGD on Poisson-sampled batches learns digits well above chance
+        in three epochs, and the epsilon printed is dp-accounting's
+        Poisson-sampled epsilon of the steps it ran."""
         import dp_accounting
         from dp_accounting import rdp
 
         output = output_of("private_training", backend, "--epochs=3")
         examples = int(printed(output, "training examples"))
         steps = int(printed(output, "steps"))
-        assert steps == 3 * examples // 64, output
+        assert steps == 3 * -(-examples // 64), output
         ledger = rdp.RdpAccountant()
         ledger.compose(
             dp_accounting.PoissonSampledDpEvent(
@@ -307,6 +308,30 @@ class TestExamples:
             printed(output, "epsilon"), ledger.get_epsilon(1e-5), rtol=1e-5
         )
         assert validation_accuracy(output) > 0.5, output
+
+    @BACKENDS
+    def test_private_training_reaches_a_target_epsilon_on_shuffled_batches(
+        self, backend
+    ):
+        """--target_epsilon with --sampling=shuffle: the epsilon printed is
+        at most the target and within 1% of it, dp-accounting's epsilon of
+        one Gaussian mechanism per epoch at the printed noise."""
+        import dp_accounting
+        from dp_accounting import rdp
+
+        output = output_of(
+            "private_training",
+            backend,
+            "--epochs=3",
+            "--sampling=shuffle",
+            "--target_epsilon=20",
+        )
+        noise = printed(output, "noise multiplier")
+        ledger = rdp.RdpAccountant()
+        ledger.compose(dp_accounting.GaussianDpEvent(noise), 3)
+        epsilon = printed(output, "epsilon")
+        np.testing.assert_allclose(epsilon, ledger.get_epsilon(1e-5), rtol=1e-5)
+        assert 0.99 * 20 <= epsilon <= 20, output
 
     @BACKENDS
     def test_fine_tune_causal_lm_logs_a_norm_per_decoder_block(self, backend):

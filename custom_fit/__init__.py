@@ -21,11 +21,13 @@ from custom_fit.pcgrad_mixin import PCGradMixin
 from custom_fit.privacy_mixin import DifferentialPrivacyMixin
 from custom_fit.regularization_mixin import RegularizationMixin
 from custom_fit.sharpness_mixin import SharpnessAwareMixin
+from custom_fit.train_step_mixin import BatchLoss
 from custom_fit.train_step_mixin import TrainStepMixin
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BatchLoss",
     "DifferentialPrivacyMixin",
     "GradientClippingMixin",
     "GradientInspectionMixin",

@@ -445,7 +445,9 @@ class PrivacyBudget(keras.callbacks.Callback):
     Args:
         num_examples: Integer. The number of training examples.
         batch_size: Integer. The batch size of `fit`, or the sampler's
-            expected batch size.
+            expected batch size. With the model's
+            `gradient_accumulation_steps=k`, the accountant is told the
+            logical batch, `k * batch_size`.
         delta: Float in (0, 1 / num_examples).
         max_epsilon: Float or `None`. Stop once epsilon exceeds it.
         accountant: `"rdp"` (default) or `"pld"`; see
@@ -498,6 +500,7 @@ class PrivacyBudget(keras.callbacks.Callback):
         privacy.epsilon(0, self.batch_size, self.num_examples, 1.0, delta)
         self.epsilons: list[float] = []
         self._noise = 0.0
+        self._logical_batch = self.batch_size
 
     def on_train_begin(self, logs: Logs | None = None) -> None:
         model = self.model
@@ -516,6 +519,10 @@ class PrivacyBudget(keras.callbacks.Callback):
                 "noise_multiplier > 0 to the model, or leave the callback "
                 "out."
             )
+        # With accumulation the mechanism runs once per logical batch.
+        self._logical_batch = self.batch_size * (
+            model.gradient_accumulation_steps or 1
+        )
         self.sampling = self._resolved_sampling(model.expected_batch_size)
         grouped = model.num_microbatches not in (None, self.batch_size)
         self._noise = float(noise) / (2.0 if grouped else 1.0)
@@ -526,14 +533,16 @@ class PrivacyBudget(keras.callbacks.Callback):
         sampling = self._sampling
         if sampling is None:
             sampling = "shuffle" if expected_batch_size is None else "poisson"
-        if sampling == "poisson" and expected_batch_size != self.batch_size:
+        logical = self._logical_batch
+        if sampling == "poisson" and expected_batch_size != logical:
             raise ValueError(
-                "PrivacyBudget accounts Poisson-sampled batches of expected "
-                f"size batch_size={self.batch_size}, which the model must "
-                "divide by that size. Received: a model with "
+                "PrivacyBudget accounts Poisson-sampled (logical) batches of "
+                f"expected size {logical} (batch_size={self.batch_size} "
+                "times the model's gradient_accumulation_steps), which the "
+                "model must divide by that size. Received: a model with "
                 f"expected_batch_size={expected_batch_size}. Train on "
                 "custom_fit.sampling.PoissonSampler batches with "
-                f"expected_batch_size={self.batch_size} on the model (and "
+                f"expected_batch_size={logical} on the model (and "
                 "the sampler's batch_size), or pass sampling='shuffle' for "
                 "fit's shuffled batches."
             )
@@ -545,7 +554,7 @@ class PrivacyBudget(keras.callbacks.Callback):
         steps = max(model.private_steps, updates)
         epsilon = privacy.epsilon(
             steps,
-            self.batch_size,
+            self._logical_batch,
             self.num_examples,
             self._noise,
             self.delta,

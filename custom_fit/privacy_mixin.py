@@ -1,5 +1,7 @@
 """`DifferentialPrivacyMixin`: DP-SGD inside `fit`."""
 
+from collections.abc import Callable
+from collections.abc import Sequence
 from typing import Any
 
 import keras
@@ -15,10 +17,10 @@ from custom_fit import backend
 from custom_fit import pipeline
 from custom_fit import privacy
 from custom_fit._types import Gradients
-from custom_fit._types import Logs
 from custom_fit._types import Optimizer
 from custom_fit._types import Tensor
 from custom_fit._types import Variable
+from custom_fit.train_step_mixin import BatchLoss
 from custom_fit.train_step_mixin import TrainStepMixin
 
 
@@ -64,9 +66,7 @@ def _weighted(weights: Any) -> Tensor:
         A boolean vector.
     """
     flags = [
-        ops.any(
-            ops.reshape(ops.not_equal(w, 0), (ops.shape(w)[0], -1)), axis=1
-        )
+        ops.any(ops.reshape(ops.not_equal(w, 0), (ops.shape(w)[0], -1)), axis=1)
         for w in keras.tree.flatten(weights)
     ]
     found = flags[0]
@@ -113,6 +113,15 @@ class DifferentialPrivacyMixin(TrainStepMixin):
     a batch's padding rows) contributes nothing, not even the gradient of
     `model.losses` that its loss includes.
 
+    With `gradient_accumulation_steps=k`, each batch's microbatches are
+    clipped as above and their clipped sums accumulated; the noise is added
+    once per update, to the sum over its `k` batches (a logical batch of
+    `k` times the batch size), which is then divided by the logical
+    batch's microbatch count (or `expected_batch_size`, the logical batch's
+    expected size). `private_steps` counts updates: the mechanism runs once
+    per logical batch, which is what the accountant must be told
+    (`PrivacyBudget` multiplies its `batch_size` by `k`).
+
     The logged loss and metrics are those of a forward pass over the whole
     batch. `logs["dp_clipped_fraction"]` is the share of microbatches whose
     gradient was clipped (or zeroed, when not finite). How much privacy a
@@ -138,14 +147,16 @@ class DifferentialPrivacyMixin(TrainStepMixin):
             makes every example a microbatch.
         noise_seed: Integer >= 0 or `None`. Seed of the noise.
         expected_batch_size: Float > 0 or `None`. With Poisson-sampled
-            batches, their expected size (`PoissonSampler.batch_size`): the
-            noisy sum is divided by it. `None` (the default) divides by the
+            batches, their expected size (`PoissonSampler.batch_size`; with
+            accumulation, the logical batch's): the noisy sum is divided by
+            it. `None` (the default) divides by the
             number of microbatches of each batch. Needs one example per
             microbatch (`num_microbatches=None`).
 
     Attributes:
         private_steps: Integer. The private steps run so far (the
-            mechanism's invocations, skipped updates included), over every
+            mechanism's invocations: one per update, skipped updates
+            included), over every
             `fit` of this model; custom_fit state, not saved with the
             model.
 
@@ -186,14 +197,14 @@ class DifferentialPrivacyMixin(TrainStepMixin):
                     f"{name}=None. Pass it to the constructor, for example "
                     "l2_norm_clip=1.0, noise_multiplier=1.1."
                 )
-        for name in ("gradient_accumulation_steps", "per_loss_gradients"):
-            if getattr(self, name) not in (None, False, 1):
-                raise ValueError(
-                    f"DifferentialPrivacyMixin does not combine with `{name}`"
-                    ": the privacy accounting counts one noisy update per "
-                    f"batch. Received: {name}={getattr(self, name)!r}. Leave "
-                    f"`{name}` out."
-                )
+        if self.per_loss_gradients:
+            raise ValueError(
+                "DifferentialPrivacyMixin does not combine with "
+                "`per_loss_gradients`: each microbatch's gradient is clipped "
+                "as one. Received: per_loss_gradients="
+                f"{self.per_loss_gradients!r}. Leave `per_loss_gradients` "
+                "out."
+            )
         if self.expected_batch_size is not None and (
             self.num_microbatches is not None
         ):
@@ -218,37 +229,131 @@ class DifferentialPrivacyMixin(TrainStepMixin):
         counter = _model_state.state_of(self).dp_steps
         return int(backend.current().host_value(self, counter))
 
-    def train_step(self, data: Any) -> Logs:
-        """Runs one private step: per-microbatch gradients, clip, noise.
+    def compute_gradients(
+        self,
+        loss_function: Callable[[], tuple[Tensor, Any]],
+        variables: Sequence[Variable] | None,
+        optimizer: Optimizer | None = None,
+    ) -> tuple[Tensor, Any, Gradients]:
+        """Returns the batch's loss and output, and its clipped sum.
+
+        The loss and `y_pred` of a forward pass over the whole batch are
+        what the step logs; the gradient is the sum over the batch's
+        microbatches of each one's true gradient clipped to
+        `l2_norm_clip` (summed across replicas), which
+        `finalize_gradients` noises and divides once per update. The rest
+        of the step (accumulation, the guard, the update) is
+        `TrainStepMixin`'s.
 
         Args:
-            data: A batch, as produced by the data adapter of `fit`.
+            loss_function: The step's `BatchLoss`: the examples come from
+                it.
+            variables: The variables to differentiate, or `None` for the
+                model's trainable variables.
+            optimizer: The optimizer of this update.
 
         Returns:
-            A dict of metric results.
-        """
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        self._refuse_batch_mixing()
-        before = self._begin_train_step()
-        optimizer = self._prepared(None)
-        self._refuse_dynamic_loss_scale(optimizer)
-        # The mechanism runs at every step, whatever becomes of the update.
-        counter = _model_state.state_of(self).dp_steps
-        counter.assign(backend.current().read(counter) + 1)
-        y_pred = self.forward_pass(x, training=True)
-        loss = _keras_compat.compute_loss(
-            self, x, y, y_pred, sample_weight, training=True
-        )
-        variables = self.trainable_variables
-        gradients = self._private_gradients(
-            x, y, sample_weight, variables, optimizer
-        )
-        update = self._update(loss, y_pred, gradients, variables, optimizer)
-        return self._end_train_step(
-            x, y, y_pred, sample_weight, loss, update.counted, before
-        )
+            A tuple `(loss, y_pred, sums)`; variables Keras overwrites with
+            their gradient (float8 state) get `None`: no private value.
 
-    def _private_gradients(
+        Raises:
+            ValueError: For a loss function without its batch (`minimize`
+                with a plain function), a layer that mixes examples, or
+                dynamic loss scaling.
+        """
+        if not isinstance(loss_function, BatchLoss):
+            raise ValueError(
+                "DifferentialPrivacyMixin clips the gradient of each example, "
+                "so it needs the batch's examples, which `fit`'s training "
+                "step gives it. Received: a loss function without its batch "
+                "(`minimize` called with a function). Train the private "
+                "model with `fit`, or pass a `custom_fit.BatchLoss`."
+            )
+        optimizer = optimizer or self.optimizer
+        self._refuse_batch_mixing()
+        self._refuse_dynamic_loss_scale(optimizer)
+        loss, y_pred = loss_function()
+        if variables is None:
+            variables = self.trainable_variables
+        weighted = [v for v in variables if not pipeline.is_overwritten(v)]
+        sums = iter(
+            self._clipped_sums(
+                loss_function.x,
+                loss_function.y,
+                loss_function.sample_weight,
+                weighted,
+                optimizer,
+            )
+        )
+        gradients: Gradients = [
+            None if pipeline.is_overwritten(v) else next(sums)
+            for v in variables
+        ]
+        return loss, y_pred, gradients
+
+    def finalize_gradients(
+        self,
+        gradients: Gradients,
+        variables: Sequence[Variable],
+        is_update: Tensor | None = None,
+    ) -> Gradients:
+        """Returns the private gradient: the clipped sums, noised, divided.
+
+        Gaussian noise of standard deviation `noise_multiplier *
+        l2_norm_clip` is added once per update (with accumulation, to the
+        sum over the update's micro-batches: once per logical batch), then
+        the sum is divided by the number of microbatches of the update (or
+        by `expected_batch_size`). The update is counted in
+        `private_steps`.
+
+        Args:
+            gradients: The clipped sums (with accumulation, their mean over
+                the micro-batches so far).
+            variables: The variables.
+            is_update: As in `TrainStepMixin.finalize_gradients`.
+
+        Returns:
+            The private gradients, aligned with `variables`.
+        """
+        state = _model_state.state_of(self)
+        steps = self.gradient_accumulation_steps or 1
+        sums = [None if g is None else g * steps for g in gradients]
+        if self.noise_multiplier:
+            seeds = state.dp_seeds
+            before = backend.current().read(seeds.state)
+            clip = ops.cast(self.l2_norm_clip, "float32")
+            present = [g for g in sums if g is not None]
+            noisy = iter(
+                privacy.add_noise(
+                    present,
+                    ops.cast(self.noise_multiplier, "float32") * clip,
+                    seeds,
+                )
+            )
+            sums = [None if g is None else next(noisy) for g in sums]
+            if is_update is not None:
+                # The generator moves on once per update, not per batch.
+                backend.current().restore_if(
+                    ops.logical_not(is_update), [seeds.state], [before]
+                )
+        if self.expected_batch_size is not None:
+            count: Any = ops.cast(self.expected_batch_size, "float32")
+        else:
+            count = state.local.dp_microbatches * steps
+        # The mechanism runs once per update, whatever becomes of it.
+        counter = state.dp_steps
+        current = backend.current().read(counter)
+        counter.assign(
+            current + 1
+            if is_update is None
+            else ops.where(is_update, current + 1, current)
+        )
+        return [
+            None if g is None else ops.cast(g / count, v.dtype)
+            for g, v in zip(sums, variables)
+        ]
+
+    def _clipped_sums(
         self,
         x: Any,
         y: Any,
@@ -256,7 +361,11 @@ class DifferentialPrivacyMixin(TrainStepMixin):
         variables: list[Variable],
         optimizer: Optimizer,
     ) -> Gradients:
-        """Returns the noisy mean of the clipped microbatch gradients."""
+        """Returns the sums of the clipped microbatch gradients.
+
+        Summed across replicas; the number of microbatches of the global
+        batch is kept for `finalize_gradients` (`local.dp_microbatches`).
+        """
         microbatches = self._microbatch_count(x)
         # With one example per microbatch the batch may be of any size.
         lead = (-1, 1) if microbatches is None else (microbatches, -1)
@@ -327,20 +436,12 @@ class DifferentialPrivacyMixin(TrainStepMixin):
             ops.sum(ops.cast(changed, "float32") * included)
             / ops.maximum(ops.sum(included), 1.0),
         )
-        sums = pipeline.all_reduce_sum(sums)
-        if self.noise_multiplier:
-            sums = privacy.add_noise(
-                sums,
-                ops.cast(self.noise_multiplier, "float32") * clip,
-                _model_state.state_of(self).dp_seeds,
-            )
-        if self.expected_batch_size is not None:
-            count = ops.cast(self.expected_batch_size, "float32")
-        elif microbatches is None:
-            count = _keras_compat.batch_size(x, "float32") * replicas
+        if microbatches is None:
+            count: Any = _keras_compat.batch_size(x, "float32") * replicas
         else:
             count = float(microbatches * replicas)
-        return [ops.cast(g / count, v.dtype) for g, v in zip(sums, variables)]
+        _model_state.state_of(self).local.dp_microbatches = count
+        return pipeline.all_reduce_sum(sums)
 
     def _microbatch_count(self, x: Any) -> int | None:
         """Returns the number of microbatches; `None`: one per example.

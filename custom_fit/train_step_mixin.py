@@ -36,6 +36,37 @@ _Model = TypeVar("_Model", bound="TrainStepMixin")
 PER_LOSS_MODES = (False, "outputs", "outputs_and_penalties")
 
 
+@dataclasses.dataclass(frozen=True)
+class BatchLoss:
+    """The loss function of a training step, with the batch it runs on.
+
+    Called with no argument it returns `(loss, y_pred)`, as every loss
+    function `compute_gradients` receives. `train_step` passes one, so
+    that a mixin computing gradients from the examples themselves (the
+    per-example gradients of `DifferentialPrivacyMixin`) finds them here; a
+    plain function given to `minimize` has no batch.
+
+    Attributes:
+        function: Callable of no arguments returning `(loss, y_pred)`.
+        x: The inputs of the batch.
+        y: Its targets.
+        sample_weight: Its sample weights, or `None`.
+    """
+
+    function: Callable[[], tuple[Any, Any]]
+    x: Any
+    y: Any
+    sample_weight: Any
+
+    def __call__(self) -> tuple[Any, Any]:
+        """Returns `(loss, y_pred)` of the batch."""
+        return self.function()
+
+    def with_function(self, function: Callable[[], Any]) -> "BatchLoss":
+        """Returns the same batch with another loss function."""
+        return dataclasses.replace(self, function=function)
+
+
 if TYPE_CHECKING:
     _TrainerHooks = object
 else:
@@ -387,6 +418,33 @@ class TrainStepMixin(_keras_compat.PrivateOverrides, _TrainerHooks):
             combined.append(_gradient_ops.add_all(present) if present else None)
         return combined
 
+    def finalize_gradients(
+        self,
+        gradients: Gradients,
+        variables: Sequence[Variable],
+        is_update: Tensor | None = None,
+    ) -> Gradients:
+        """Returns the gradients of an update. Runs before the transforms.
+
+        Called once per step, after gradient accumulation (with the mean of
+        the update's micro-batches) and before `transform_gradients`; this
+        base implementation returns them unchanged.
+        `DifferentialPrivacyMixin` adds its noise here, once per update.
+
+        Args:
+            gradients: List aligned with `variables`: the true gradients
+                (with accumulation, their running mean).
+            variables: The variables.
+            is_update: `None` without accumulation; else a boolean scalar
+                tensor, true on the steps that update (the others' result
+                is not used).
+
+        Returns:
+            A list aligned with `variables`.
+        """
+        del variables, is_update
+        return gradients
+
     def transform_gradients(
         self, gradients: Gradients, variables: Sequence[Variable]
     ) -> Gradients:
@@ -602,8 +660,11 @@ class TrainStepMixin(_keras_compat.PrivateOverrides, _TrainerHooks):
             loss, aux = loss_function()
             return self._add_penalties(loss, penalty_inputs), aux
 
+        function: Callable[[], tuple[Tensor, Any]] = penalized
+        if isinstance(loss_function, BatchLoss):
+            function = loss_function.with_function(penalized)
         loss, aux, gradients = self.compute_gradients(
-            penalized, variables, optimizer=optimizer
+            function, variables, optimizer=optimizer
         )
         if variables is None:
             variables = self.trainable_variables
@@ -684,6 +745,7 @@ class TrainStepMixin(_keras_compat.PrivateOverrides, _TrainerHooks):
         if self.gradient_accumulation_steps not in (None, 1):
             accumulator = self._accumulator(variables)
             gradients, is_update = accumulator.accumulate(gradients)
+        gradients = self.finalize_gradients(gradients, variables, is_update)
         transformed = self._transformed(gradients, variables)
         verdict = guard.decide(gradients, transformed, optimizer)
         applied = verdict.apply if guard.active else None
@@ -849,7 +911,9 @@ class TrainStepMixin(_keras_compat.PrivateOverrides, _TrainerHooks):
                 return self._loss_parts(y, y_pred, sample_weight, loss), y_pred
             return loss, y_pred
 
-        update = self._minimize(loss_function, None, None)
+        update = self._minimize(
+            BatchLoss(loss_function, x, y, sample_weight), None, None
+        )
         loss, y_pred, counted = update.loss, update.aux, update.counted
         return self._end_train_step(
             x, y, y_pred, sample_weight, loss, counted, before

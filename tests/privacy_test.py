@@ -624,6 +624,75 @@ class DifferentialPrivacyMixinTest(testing.TestCase):
             self.assertEqual(copy.noise_seed, 3)
 
 
+class AccumulationTest(testing.TestCase):
+    @parameterized.named_parameters(
+        ("eager", dict(run_eagerly=True)),
+        ("jit", dict(jit_compile=True)),
+        ("steps_per_execution", dict(steps_per_execution=4)),
+    )
+    def test_micro_batches_equal_the_logical_batch(self, mode):
+        """DP with 4 micro-batches of 8 equals DP on batches of 32 with the
+        same noise seed: clipped sums accumulated, the noise drawn once per
+        update, one private step per update."""
+        x, y = testing.classification_data(samples=64)
+        options = dict(l2_norm_clip=CLIP, noise_multiplier=1.0, noise_seed=7)
+        accumulating = testing.mlp(
+            PrivateNet, gradient_accumulation_steps=4, **options
+        )
+        logical = testing.mlp(PrivateNet, **options)
+        for model, batch in ((accumulating, 8), (logical, 32)):
+            model.compile(
+                optimizer=keras.optimizers.SGD(RATE),
+                loss=testing.sparse_crossentropy(),
+                **mode,
+            )
+            model.fit(x, y, batch_size=batch, shuffle=False, verbose=0)
+        self.assertAllClose(
+            accumulating.get_weights(), logical.get_weights(), atol=1e-6
+        )
+        self.assertEqual(accumulating.private_steps, 2)
+        self.assertEqual(logical.private_steps, 2)
+
+    def test_noiseless_micro_batches_equal_the_per_example_oracle(self):
+        """Without noise, 2 micro-batches of 8 equal the per-example oracle
+        on batches of 16."""
+        x, y = testing.classification_data(samples=32)
+        model = testing.mlp(
+            PrivateNet,
+            l2_norm_clip=CLIP,
+            noise_multiplier=0.0,
+            gradient_accumulation_steps=2,
+        )
+        model.compile(
+            optimizer=keras.optimizers.SGD(RATE),
+            loss=testing.sparse_crossentropy(),
+        )
+        oracle = testing.mlp(keras.Model)
+        model.fit(x, y, batch_size=BATCH // 2, shuffle=False, verbose=0)
+        oracle_training(oracle, x, y, None)
+        self.assertAllClose(model.get_weights(), oracle.get_weights())
+
+    def test_budget_counts_the_logical_batch(self):
+        """With accumulation, PrivacyBudget accounts one step per update of
+        the logical batch (`batch_size * k`)."""
+        x, y = testing.classification_data(samples=64)
+        model = testing.mlp(
+            PrivateNet,
+            l2_norm_clip=CLIP,
+            noise_multiplier=1.0,
+            gradient_accumulation_steps=4,
+        )
+        model.compile(optimizer="sgd", loss=testing.sparse_crossentropy())
+        budget = custom_fit.callbacks.PrivacyBudget(
+            num_examples=64, batch_size=8, delta=1e-5, sampling="shuffle"
+        )
+        model.fit(x, y, batch_size=8, callbacks=[budget], verbose=0)
+        expected = custom_fit.privacy.epsilon(
+            2, 32, 64, 1.0, 1e-5, sampling="shuffle"
+        )
+        self.assertAllClose(budget.epsilons, [expected], rtol=1e-9)
+
+
 class RefusalTest(testing.TestCase):
     def test_required_options_are_named(self):
         for missing in ("l2_norm_clip", "noise_multiplier"):
@@ -645,16 +714,13 @@ class RefusalTest(testing.TestCase):
             with self.assertRaisesRegex(ValueError, f"{name}={value!r}"):
                 testing.mlp(PrivateNet, **options)
 
-    def test_gradient_accumulation_is_refused(self):
-        with self.assertRaisesRegex(
-            ValueError, "gradient_accumulation_steps=2"
-        ):
-            testing.mlp(
-                PrivateNet,
-                l2_norm_clip=1.0,
-                noise_multiplier=1.0,
-                gradient_accumulation_steps=2,
-            )
+    def test_minimize_without_a_batch_is_refused(self):
+        """`minimize` with a plain loss function gives DP no examples."""
+        model = testing.mlp(PrivateNet, l2_norm_clip=1.0, noise_multiplier=1.0)
+        model.compile(optimizer="sgd", loss=testing.sparse_crossentropy())
+        x, _ = testing.classification_data(samples=4)
+        with self.assertRaisesRegex(ValueError, "needs the batch's examples"):
+            model.minimize(lambda: keras.ops.mean(model(x)))
 
     def test_expected_batch_size_with_microbatches_is_refused(self):
         with self.assertRaisesRegex(

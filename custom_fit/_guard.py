@@ -42,6 +42,23 @@ from custom_fit._types import Tensor
 
 
 @dataclasses.dataclass(frozen=True)
+class StepStart:
+    """What a guarded training step keeps until its verdict.
+
+    Attributes:
+        layer_variables: The model's non-trainable variables (layer state).
+        layers: Copies of their values before the step.
+        metric_variables: The variables of Keras' own metrics.
+        metrics: Copies of their values before the step.
+    """
+
+    layer_variables: list[Any]
+    layers: list[Tensor]
+    metric_variables: list[Any]
+    metrics: list[Tensor]
+
+
+@dataclasses.dataclass(frozen=True)
 class Verdict:
     """What the guard decided about one update.
 
@@ -91,6 +108,69 @@ class Guard:
             )
             holder.track(self.norm_average)
             holder.track(self.norm_count)
+
+    def keep(self, keras_metrics: list[Any]) -> StepStart | None:
+        """Keeps, before a training step, what a skipped step must not change.
+
+        The forward pass updates layer state in training mode
+        (BatchNormalization's moving statistics, dropout's seed), and the
+        loss and metrics are updated with the batch's predictions; a batch
+        that is skipped would leave them behind. This copies the layer
+        state and Keras' metric state, and holds the reports of
+        `report_metric`, until `undo_if_skipped` knows whether the step
+        counts.
+
+        Args:
+            keras_metrics: The model's Keras metrics (not those of
+                `report_metric`, which the registry holds itself).
+
+        Returns:
+            `None` with the guard off, else a `StepStart`.
+        """
+        if not self.active:
+            return None
+        model = self._model
+        _model_state.state_of(model).metrics.hold()
+        layer_variables = list(model.non_trainable_variables)
+        metric_variables = [
+            variable
+            for metric in keras_metrics
+            for variable in metric.variables
+        ]
+        copy = backend.current().copy
+        return StepStart(
+            layer_variables,
+            [copy(v) for v in layer_variables],
+            metric_variables,
+            [copy(v) for v in metric_variables],
+        )
+
+    def undo_if_skipped(
+        self, before: StepStart, counted: Tensor | None
+    ) -> None:
+        """Writes back what `keep` kept when the step does not count.
+
+        Args:
+            before: What `keep` returned.
+            counted: Boolean scalar tensor: whether the batch counts; `None`
+                keeps everything.
+        """
+        _model_state.state_of(self._model).metrics.release(counted)
+        if counted is None:
+            return
+        skipped = ops.logical_not(counted)
+        backend.current().restore_if(
+            skipped, before.metric_variables, before.metrics
+        )
+        if before.layer_variables:
+            pipeline.run_if(
+                skipped,
+                lambda copies: pipeline.assign_variables(
+                    before.layer_variables, copies
+                ),
+                args=(before.layers,),
+                synchronized=True,
+            )
 
     @property
     def active(self) -> bool:

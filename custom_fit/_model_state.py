@@ -68,3 +68,19 @@ def state_of(model: Any) -> ModelState:
     if state is None:
         state = model.__dict__["_custom_fit"] = ModelState()
     return state
+
+
+def models_in(model: Any) -> list[Any]:
+    """Returns `model` and the custom_fit models nested in it, depth first.
+
+    A custom_fit model is one with a `ModelState` (made when its options
+    are configured).
+    """
+    found = [model]
+    pending = list(getattr(model, "layers", []))
+    while pending:
+        layer = pending.pop(0)
+        if "_custom_fit" in vars(layer):
+            found.append(layer)
+        pending.extend(getattr(layer, "layers", []))
+    return found

@@ -193,6 +193,58 @@ class StepMetrics:
         return metric
 
 
+def reported(registries: list[StepMetrics]) -> list[keras.metrics.Metric]:
+    """Returns the metrics of `report_metric` of the given registries."""
+    return [m for registry in registries for m in registry.metrics.values()]
+
+
+def step_logs(
+    model: Any,
+    keras_metrics: list[keras.metrics.Metric],
+    registries: list[StepMetrics],
+    tracks_loss: bool,
+) -> dict[str, Any]:
+    """Returns the logs of `model`'s running step (`get_metrics_result`).
+
+    Keras' metrics, then the reported ones; inside a step that `model`
+    drives, those this kind of step does not report are left out (a nested
+    model's own figures from its own `fit` too), and so is Keras' `loss`
+    when the model tracks none and its step did not either.
+
+    Args:
+        model: The model whose logs they are (the first registry's).
+        keras_metrics: Its Keras metrics.
+        registries: Its registry, then those of its custom_fit networks.
+        tracks_loss: Bool. Whether the model was compiled with a loss.
+
+    Returns:
+        A dict of log name to result.
+
+    Raises:
+        ValueError: If a reported metric has the name of one of the
+            metrics Keras logs (it would replace it).
+    """
+    logs = results(keras_metrics)
+    metrics = reported(registries)
+    check_no_clash(logs, [m.name for m in metrics])
+    logs.update(results(metrics))
+    logs = pythonify(logs)
+    own = registries[0]
+    if own.driver is None or own.driver[0] is not model:
+        return logs
+    step = own.step()
+    unreported = {
+        key
+        for registry in registries
+        for key in registry.metrics
+        if step not in registry.kinds.get(key, ())
+    }
+    # Keras' `loss` is the model's own: nested steps say nothing of it.
+    if not tracks_loss and step not in own.kinds.get("loss", ()):
+        unreported.add("loss")
+    return {k: v for k, v in logs.items() if k not in unreported}
+
+
 def check_no_clash(keras_logs: dict[str, Any], reported: list[str]) -> None:
     """Raises if a reported metric has the name of one of Keras' logs.
 

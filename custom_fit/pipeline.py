@@ -325,3 +325,25 @@ def assign_variables(
         values: List of tensors aligned with `variables`.
     """
     backend.current().assign_variables(variables, values)
+
+
+def write_overwritten(
+    overwritten: list[tuple[Any, Variable]], counted: Tensor | None
+) -> None:
+    """Writes new values into variables Keras overwrites (float8 state).
+
+    Written at every batch that counts (skipped batches change nothing),
+    also on the micro-batches of gradient accumulation: they are the
+    layers' statistics of each batch, not gradients to average.
+    """
+    variables = [variable for _, variable in overwritten]
+    values = [value for value, _ in overwritten]
+    if counted is None:
+        assign_variables(variables, values)
+        return
+    run_if(
+        counted,
+        lambda values: assign_variables(variables, values),
+        args=(values,),
+        synchronized=True,
+    )

@@ -15,8 +15,12 @@ from keras import ops
 from custom_fit import _gradient_ops
 from custom_fit import _guard
 from custom_fit import _keras_compat
+from custom_fit import _layer_groups
 from custom_fit import _model_state
 from custom_fit import _options
+from custom_fit import _per_loss
+from custom_fit import _step_checks
+from custom_fit import _step_functions
 from custom_fit import _step_metrics
 from custom_fit import _validation
 from custom_fit import accumulation
@@ -246,7 +250,7 @@ class TrainStepMixin(_keras_compat.PrivateOverrides, _TrainerHooks):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         backend.check_supported()
-        _refuse_stateless_step_overrides(type(self))
+        _step_checks.refuse_stateless_step_overrides(type(self), TrainStepMixin)
         backend.current().check_strategy()
         options = _options.pop_options(type(self), kwargs)
         _options.refuse_unknown_keywords(type(self), args, kwargs)
@@ -337,7 +341,7 @@ class TrainStepMixin(_keras_compat.PrivateOverrides, _TrainerHooks):
         if targets is None:
             targets = lambda: self.trainable_variables  # noqa: E731
         if self.per_loss_gradients:
-            return self._per_loss_gradients(loss_function, targets, optimizer)
+            return _per_loss.gradients(self, loss_function, targets, optimizer)
 
         def scaled() -> tuple[Tensor, tuple[Tensor, Any]]:
             loss, aux = loss_function()
@@ -353,39 +357,6 @@ class TrainStepMixin(_keras_compat.PrivateOverrides, _TrainerHooks):
             aux,
             pipeline.true_gradients(gradients, targets, optimizer),
         )
-
-    def _per_loss_gradients(
-        self,
-        loss_function: Callable[[], tuple[Any, Any]],
-        targets: Any,
-        optimizer: Optimizer,
-    ) -> tuple[Tensor, Any, Gradients]:
-        """`compute_gradients` with one backward pass per loss."""
-
-        def scaled() -> tuple[dict[str, Tensor], tuple[Any, Any]]:
-            losses, aux = loss_function()
-            if not isinstance(losses, dict):
-                raise ValueError(
-                    "With per_loss_gradients, the loss function must return "
-                    "a dict of name to loss. Received: "
-                    f"{type(losses).__name__}. Return one entry per loss."
-                )
-            return (
-                {name: optimizer.scale_loss(v) for name, v in losses.items()},
-                (losses, aux),
-            )
-
-        _, (losses, aux), gradients = backend.current().values_and_grads(
-            scaled, targets
-        )
-        if callable(targets):
-            targets = targets()
-        true = {
-            name: pipeline.true_gradients(grads, targets, optimizer)
-            for name, grads in gradients.items()
-        }
-        combined = self.combine_gradients(true, targets)
-        return _gradient_ops.add_all(list(losses.values())), aux, combined
 
     def combine_gradients(
         self,
@@ -528,11 +499,7 @@ class TrainStepMixin(_keras_compat.PrivateOverrides, _TrainerHooks):
             as a layer (a `keras.Sequential` encoder) is split into its own
             layers, named by their path: `"encoder/dense_1"`.
         """
-        owners: dict[int, str] = {}
-        for layer in self.layers:
-            _assign_owners(layer, layer.name, self.layer_depth, owners)
-        name: str = self.name
-        return [owners.get(id(variable), name) for variable in variables]
+        return _layer_groups.layer_names(self, variables, self.layer_depth)
 
     # The gradient pipeline, public for custom steps.
 
@@ -705,8 +672,8 @@ class TrainStepMixin(_keras_compat.PrivateOverrides, _TrainerHooks):
 
     def _prepared(self, optimizer: Optimizer | None) -> Optimizer:
         """Returns the optimizer of an update, checked and tracked."""
-        optimizer = self._checked_optimizer(optimizer)
-        self._warn_about_optimizer_clipping(optimizer)
+        optimizer = _step_checks.checked_optimizer(self, optimizer)
+        _step_checks.warn_about_optimizer_clipping(self, optimizer)
         # Schedules of this update's options follow this optimizer's count.
         _model_state.state_of(self).local.optimizer = optimizer
         driver = _model_state.state_of(self).metrics.driver
@@ -758,7 +725,7 @@ class TrainStepMixin(_keras_compat.PrivateOverrides, _TrainerHooks):
         )
         guard.record(verdict, is_update)
         if overwritten:
-            _write_overwritten(overwritten, counted)
+            pipeline.write_overwritten(overwritten, counted)
         if is_update is not None:
             applied = (
                 is_update
@@ -809,7 +776,7 @@ class TrainStepMixin(_keras_compat.PrivateOverrides, _TrainerHooks):
     ) -> Gradients:
         """Runs `transform_gradients` and checks what it returns."""
         transformed = self.transform_gradients(gradients, variables)
-        _check_transformed(gradients, transformed, variables)
+        _step_checks.check_transformed(gradients, transformed, variables)
         return list(transformed)
 
     def _inspect_and_apply(
@@ -845,35 +812,6 @@ class TrainStepMixin(_keras_compat.PrivateOverrides, _TrainerHooks):
             synchronized=True,
         )
 
-    def _checked_optimizer(self, optimizer: Optimizer | None) -> Optimizer:
-        """Returns the optimizer of an update, refusing unusable ones."""
-        optimizer = optimizer or getattr(self, "optimizer", None)
-        if optimizer is None:
-            raise ValueError(
-                "`minimize` needs an optimizer. Received: optimizer=None and "
-                f"the model {self.name!r} has none. Compile the model, or "
-                "pass optimizer=... to `minimize`."
-            )
-        inner = getattr(optimizer, "inner_optimizer", optimizer)
-        steps = max(
-            (
-                getattr(member, "gradient_accumulation_steps", None) or 0
-                for member in [inner, *getattr(inner, "optimizers", [])]
-            ),
-            default=0,
-        )
-        if steps:
-            raise ValueError(
-                "The optimizer accumulates gradients itself, after "
-                "custom_fit's transforms, so clipping and inspection would "
-                "act on each micro-batch instead of the accumulated "
-                "gradient. Received: optimizer with "
-                f"gradient_accumulation_steps={steps}. Remove it from the "
-                "optimizer and pass gradient_accumulation_steps="
-                f"{steps} to the model's constructor instead."
-            )
-        return optimizer
-
     def _accumulator(
         self, variables: Sequence[Variable]
     ) -> accumulation.GradientAccumulator:
@@ -900,7 +838,7 @@ class TrainStepMixin(_keras_compat.PrivateOverrides, _TrainerHooks):
             A dict of metric results, as `keras.Model.train_step` returns.
         """
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        before = self._begin_train_step()
+        before = _model_state.state_of(self).guard.keep(super().metrics)
 
         def loss_function() -> tuple[Any, Any]:
             y_pred = self.forward_pass(x, training=True)
@@ -908,7 +846,10 @@ class TrainStepMixin(_keras_compat.PrivateOverrides, _TrainerHooks):
                 self, x, y, y_pred, sample_weight, training=True
             )
             if self.per_loss_gradients:
-                return self._loss_parts(y, y_pred, sample_weight, loss), y_pred
+                return (
+                    _per_loss.loss_parts(self, y, y_pred, sample_weight, loss),
+                    y_pred,
+                )
             return loss, y_pred
 
         update = self._minimize(
@@ -919,62 +860,6 @@ class TrainStepMixin(_keras_compat.PrivateOverrides, _TrainerHooks):
             x, y, y_pred, sample_weight, loss, counted, before
         )
 
-    def _loss_parts(
-        self, y: Any, y_pred: Any, sample_weight: Any, total: Tensor
-    ) -> dict[str, Tensor]:
-        """Splits the step's `total` loss for `per_loss_gradients`.
-
-        One loss per output, the named penalties (with
-        `"outputs_and_penalties"`), and the rest under `"regularization"`.
-        """
-        parts = _keras_compat.per_output_losses(self, y, y_pred, sample_weight)
-        terms = getattr(_model_state.state_of(self).local, "loss_terms", {})
-        if self.per_loss_gradients == "outputs_and_penalties":
-            for name, value in terms.items():
-                parts[name] = value
-            terms = {}
-        if "regularization" in parts:
-            raise ValueError(
-                "`per_loss_gradients` names the rest of the loss "
-                "'regularization', which is an output's name here. Received: "
-                f"losses {list(parts)}. Rename the output."
-            )
-        if self.losses or terms:
-            parts["regularization"] = total - _gradient_ops.add_all(
-                list(parts.values())
-            )
-        return parts
-
-    def _begin_train_step(self) -> "_StepStart | None":
-        """With `skip_nonfinite`, keeps what a skipped step must not change.
-
-        The forward pass updates layer state in training mode
-        (BatchNormalization's moving statistics, dropout's seed), and the
-        loss and metrics are updated with the batch's predictions; a batch
-        whose gradients are not finite would leave NaN statistics and
-        metrics behind. This copies the layer state and Keras' metric
-        state, and holds the reports of `report_metric`, until
-        `_end_train_step` knows whether the step counts.
-
-        Returns:
-            `None` without `skip_nonfinite`, else a `_StepStart`.
-        """
-        if not self.skip_nonfinite:
-            return None
-        _model_state.state_of(self).metrics.hold()
-        layer_variables = list(self.non_trainable_variables)
-        metric_variables = [
-            variable
-            for metric in super().metrics
-            for variable in metric.variables
-        ]
-        return _StepStart(
-            layer_variables,
-            _copies(layer_variables),
-            metric_variables,
-            _copies(metric_variables),
-        )
-
     def _end_train_step(
         self,
         x: Any,
@@ -983,42 +868,20 @@ class TrainStepMixin(_keras_compat.PrivateOverrides, _TrainerHooks):
         sample_weight: Any,
         loss: Tensor,
         counted: Tensor | None,
-        before: "_StepStart | None" = None,
+        before: "_guard.StepStart | None" = None,
     ) -> Logs:
         """Tracks the loss, updates the compiled metrics, returns the logs.
 
         A batch that is not `counted` (a skipped step) changes no metric and
-        no layer state: what `_begin_train_step` kept is written back.
+        no layer state: the guard writes back what it kept.
         """
         _keras_compat.track_loss(self, loss, x)
         self._note_loss_tracked()
         logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         if before is not None:
-            self._undo_if_skipped(before, counted)
+            _model_state.state_of(self).guard.undo_if_skipped(before, counted)
             logs = self.get_metrics_result()
         return backend.current().reducible_logs(self, logs)
-
-    def _undo_if_skipped(
-        self, before: "_StepStart", counted: Tensor | None
-    ) -> None:
-        """Writes back the kept state when the step does not count."""
-        metrics = _model_state.state_of(self).metrics
-        metrics.release(counted)
-        if counted is None:
-            return
-        skipped = ops.logical_not(counted)
-        backend.current().restore_if(
-            skipped, before.metric_variables, before.metrics
-        )
-        if before.layer_variables:
-            pipeline.run_if(
-                skipped,
-                lambda copies: pipeline.assign_variables(
-                    before.layer_variables, copies
-                ),
-                args=(before.layers,),
-                synchronized=True,
-            )
 
     def test_step(self, data: Any) -> Logs:
         """Runs one evaluation step: forward pass, loss, metrics.
@@ -1136,12 +999,7 @@ class TrainStepMixin(_keras_compat.PrivateOverrides, _TrainerHooks):
         Those of `report_metric` include the ones reported by custom_fit
         networks inside this model (see `minimize`).
         """
-        models = [self, *self._inner_step_models()]
-        states = [_model_state.state_of(model) for model in models]
-        reported = [
-            m for state in states for m in state.metrics.metrics.values()
-        ]
-        return super().metrics + reported
+        return super().metrics + _step_metrics.reported(self._registries())
 
     def get_metrics_result(self) -> Logs:
         """Returns the metric results, as Keras' `get_metrics_result`.
@@ -1159,47 +1017,19 @@ class TrainStepMixin(_keras_compat.PrivateOverrides, _TrainerHooks):
             ValueError: If a reported metric has the name of one of the
                 metrics Keras logs (it would replace it).
         """
-        logs = _step_metrics.results(super().metrics)
-        models = [self, *self._inner_step_models()]
-        reported = [
-            metric
-            for model in models
-            for metric in _model_state.state_of(model).metrics.metrics.values()
-        ]
-        _step_metrics.check_no_clash(logs, [m.name for m in reported])
-        logs.update(_step_metrics.results(reported))
-        logs = _step_metrics.pythonify(logs)
-        metrics = _model_state.state_of(self).metrics
-        if metrics.driver is None or metrics.driver[0] is not self:
-            return logs
-        step = metrics.step()
-        # A reported metric this kind of step of this driver does not
-        # report (a nested model's own figures from its own `fit` too).
-        unreported: set[str] = set()
-        for model in models:
-            registry = _model_state.state_of(model).metrics
-            unreported.update(
-                key
-                for key in registry.metrics
-                if step not in registry.kinds.get(key, ())
-            )
-        # Keras' `loss` is this model's own: nested models' steps say nothing
-        # of it.
-        if getattr(self, "loss", None) is None:
-            if step not in metrics.kinds.get("loss", ()):
-                unreported.add("loss")
-        return {k: v for k, v in logs.items() if k not in unreported}
+        return _step_metrics.step_logs(
+            self,
+            super().metrics,
+            self._registries(),
+            tracks_loss=getattr(self, "loss", None) is not None,
+        )
 
-    def _inner_step_models(self) -> list["TrainStepMixin"]:
-        """Returns the custom_fit models nested in this one, depth first."""
-        found = []
-        pending = list(getattr(self, "layers", []))
-        while pending:
-            layer = pending.pop(0)
-            if isinstance(layer, TrainStepMixin):
-                found.append(layer)
-            pending.extend(getattr(layer, "layers", []))
-        return found
+    def _registries(self) -> list[_step_metrics.StepMetrics]:
+        """The `report_metric` registries of this model and its networks."""
+        return [
+            _model_state.state_of(model).metrics
+            for model in _model_state.models_in(self)
+        ]
 
     def fit(self, *args: Any, **kwargs: Any) -> Any:
         """Trains the model: `keras.Model.fit`, with the same arguments.
@@ -1211,12 +1041,12 @@ class TrainStepMixin(_keras_compat.PrivateOverrides, _TrainerHooks):
         Returns:
             A `History` object, as `keras.Model.fit` returns.
         """
-        for model in [self, *self._inner_step_models()]:
+        for model in _model_state.models_in(self):
             _model_state.state_of(model).guard.restart()
         return super().fit(*args, **kwargs)
 
     def make_train_function(self, force: bool = False) -> StepFunction:
-        """Builds the train function; adds the skipped-step limit check.
+        """Builds the train function (see `custom_fit._step_functions`).
 
         Args:
             force: Bool. Rebuild even if a train function exists.
@@ -1224,18 +1054,14 @@ class TrainStepMixin(_keras_compat.PrivateOverrides, _TrainerHooks):
         Returns:
             The train function.
         """
-        built: Any = getattr(self, "train_function", None)
-        if built is not None and not force:
-            return built
-        function = backend.current().make_step_function(
-            self, "train", lambda: self._keras_function("train", force)
-        )
-        function = self._with_skipped_step_limit(function)
-        self.train_function = self._driven(function, "train")
+        if getattr(self, "train_function", None) is None or force:
+            self.train_function = _step_functions.make(
+                self, "train", lambda: self._keras_function("train", force)
+            )
         return self.train_function
 
     def make_test_function(self, force: bool = False) -> StepFunction:
-        """Builds the test function, marking this model as the driver.
+        """Builds the test function (see `custom_fit._step_functions`).
 
         Args:
             force: Bool. Rebuild even if a test function exists.
@@ -1243,13 +1069,10 @@ class TrainStepMixin(_keras_compat.PrivateOverrides, _TrainerHooks):
         Returns:
             The test function.
         """
-        built: Any = getattr(self, "test_function", None)
-        if built is not None and not force:
-            return built
-        function = backend.current().make_step_function(
-            self, "test", lambda: self._keras_function("test", force)
-        )
-        self.test_function = self._driven(function, "test")
+        if getattr(self, "test_function", None) is None or force:
+            self.test_function = _step_functions.make(
+                self, "test", lambda: self._keras_function("test", force)
+            )
         return self.test_function
 
     def _keras_function(self, kind: str, force: bool) -> StepFunction:
@@ -1260,79 +1083,6 @@ class TrainStepMixin(_keras_compat.PrivateOverrides, _TrainerHooks):
             return self.train_function
         trainer.make_test_function(force=force)
         return self.test_function
-
-    def _driven(self, step_function: StepFunction, kind: str) -> StepFunction:
-        """Wraps `step_function` to mark this model as the running driver.
-
-        The mark is set on this model and on every custom_fit model nested
-        in it: networks that report metrics while it runs (and traces)
-        prefix them with their names; see `report_metric`.
-        """
-        models = [self, *self._inner_step_models()]
-
-        def driven_step_function(*args: Any) -> Any:
-            states = [_model_state.state_of(m) for m in models]
-            registries = [state.metrics for state in states]
-            previous = [registry.driver for registry in registries]
-            for state in states:
-                state.metrics.driver = (self, kind)
-                state.generation += 1
-            try:
-                return step_function(*args)
-            finally:
-                for registry, driver in zip(registries, previous):
-                    registry.driver = driver
-
-        return driven_step_function
-
-    def _with_skipped_step_limit(
-        self, train_function: StepFunction
-    ) -> StepFunction:
-        """Wraps `train_function` to raise once too many steps were skipped.
-
-        The counters of this model and of the custom_fit networks nested in
-        it (a GAN's discriminator with `skip_nonfinite=True`) are checked.
-        Keras' loop already waits for each call's result, so reading them
-        here adds no synchronisation; XLA would drop an in-graph assertion,
-        which is why the check lives on the host.
-        """
-        models = [
-            model
-            for model in [self, *self._inner_step_models()]
-            if model.skip_nonfinite and model.max_consecutive_skipped_steps
-        ]
-        if not models:
-            return train_function
-
-        def checked_train_function(*args: Any) -> Any:
-            logs = train_function(*args)
-            for model in models:
-                guard = _model_state.state_of(model).guard
-                guard.check_limit(self, nested=model is not self)
-            return logs
-
-        return checked_train_function
-
-    def _warn_about_optimizer_clipping(self, optimizer: Optimizer) -> None:
-        """Warns once if the optimizer's own clipping is wrong or redundant."""
-        found = pipeline.optimizer_clipping(optimizer)
-        twice = _options.any_set(self, "clipping")
-        if not found or not (twice or pipeline.replica_count() > 1):
-            return
-        self._warn_once(
-            "optimizer_clipping",
-            f"The optimizer clips gradients itself ({_format(found)})."
-            + (
-                " custom_fit already clips them, so they are clipped twice."
-                if twice
-                else ""
-            )
-            + " Under tf.distribute, Keras' optimizer-level clipping acts on "
-            "each replica's share of the gradient, before the replicas are "
-            "summed, so it does not clip the gradient of the global batch. "
-            "Remove the clipping arguments from the optimizer and pass them "
-            "to custom_fit.GradientClippingMixin instead.",
-        )
 
     def _warn_once(self, key: str, message: str) -> None:
         """Emits `message` as a `UserWarning` once per model and `key`."""
@@ -1423,137 +1173,6 @@ class _Update:
     counted: Tensor | None
 
 
-@dataclasses.dataclass(frozen=True)
-class _StepStart:
-    """What a step with `skip_nonfinite` keeps until its verdict."""
-
-    layer_variables: list[Variable]
-    layers: list[Tensor]
-    metric_variables: list[Variable]
-    metrics: list[Tensor]
-
-
-def _copies(variables: Sequence[Variable]) -> list[Tensor]:
-    """Returns a copy of each variable's current value."""
-    return [backend.current().copy(v) for v in variables]
-
-
-def _write_overwritten(
-    overwritten: list[tuple[Any, Variable]], counted: Tensor | None
-) -> None:
-    """Writes new values into variables Keras overwrites (float8 state).
-
-    Written at every batch that counts (skipped batches change nothing),
-    also on the micro-batches of gradient accumulation: they are the
-    layers' statistics of each batch, not gradients to average.
-    """
-    variables = [variable for _, variable in overwritten]
-    values = [value for value, _ in overwritten]
-    if counted is None:
-        pipeline.assign_variables(variables, values)
-        return
-    pipeline.run_if(
-        counted,
-        lambda values: pipeline.assign_variables(variables, values),
-        args=(values,),
-        synchronized=True,
-    )
-
-
-def _refuse_stateless_step_overrides(cls: type) -> None:
-    """Raises if `cls` overrides a step in the form of Keras' JAX trainer.
-
-    Keras' JAX trainer calls `train_step(state, data)`; custom_fit runs one
-    stateful `train_step(data)` on every backend and carries the state
-    itself, so such an override would fail deep inside the step.
-    """
-    for name in ("train_step", "test_step"):
-        owner = next(k for k in cls.__mro__ if name in vars(k))
-        if not issubclass(owner, TrainStepMixin):
-            continue
-        parameters = [
-            p
-            for p in inspect.signature(vars(owner)[name]).parameters.values()
-            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-            and p.default is p.empty
-        ]
-        if len(parameters) <= 2:  # self, data
-            continue
-        listed = ", ".join(p.name for p in parameters)
-        raise ValueError(
-            f"custom_fit models take `{name}(self, data)` on every backend "
-            "and carry the model's state themselves; the form "
-            f"`{name}(self, state, data)` is that of Keras' JAX trainer. "
-            f"Received: {owner.__name__}.{name}({listed}). Override "
-            f"`{name}(self, data)` and call `super().{name}(data)` "
-            "inside it."
-        )
-
-
-def _check_transformed(
-    gradients: Gradients, transformed: Any, variables: Sequence[Variable]
-) -> None:
-    """Raises if `transform_gradients` returned no gradient list for them.
-
-    Runs at trace time, where lengths and static shapes are known.
-    """
-    if not isinstance(transformed, (list, tuple)):
-        raise ValueError(
-            "`transform_gradients` must return a list of gradients aligned "
-            f"with the variables. Received: {type(transformed).__name__} "
-            f"{transformed!r}. Return the list, e.g. the result of "
-            "`super().transform_gradients(gradients, variables)`."
-        )
-    if len(transformed) != len(variables):
-        missing = [v.path for v in variables[len(transformed) :]]
-        raise ValueError(
-            "`transform_gradients` must return one gradient per variable. "
-            f"Received: {len(transformed)} gradients for {len(variables)} "
-            "variables"
-            + (f"; no gradient for {missing}" if missing else "")
-            + ". Return a list aligned with `variables` (None for a "
-            "variable that has no gradient)."
-        )
-    for before, after, variable in zip(gradients, transformed, variables):
-        if after is None and before is not None:
-            raise ValueError(
-                "`transform_gradients` returned None for the variable "
-                f"{variable.path!r}, which has a gradient: it would not be "
-                "trained. Received: None. Return a gradient (zeros to leave "
-                "it unchanged by the optimizer's step)."
-            )
-        if after is None or _gradient_ops.is_sparse(after):
-            continue
-        shape = getattr(after, "shape", None)
-        if shape is None or not _compatible(tuple(shape), variable.shape):
-            raise ValueError(
-                "`transform_gradients` returned a gradient of shape "
-                f"{shape} for the variable {variable.path!r} of shape "
-                f"{tuple(variable.shape)}. Received: {after!r}. Return one "
-                "gradient of the variable's shape per variable."
-            )
-
-
-def _assign_owners(
-    layer: Any, path: str, depth: int, owners: dict[int, str]
-) -> None:
-    """Names the group of each trainable variable of `layer`.
-
-    See `TrainStepMixin.layer_names_of`: it descends `depth - 1` levels into
-    models used as layers. A variable is read from `layer.variables`, not
-    `layer.trainable_variables`, which is empty for a frozen layer even when
-    a layer inside it trains (`enable_lora` freezes each transformer layer
-    and unfreezes its query and value projections, whose LoRA kernels the
-    model trains).
-    """
-    if depth > 1:
-        for inner in getattr(layer, "layers", None) or ():
-            _assign_owners(inner, f"{path}/{inner.name}", depth - 1, owners)
-    for variable in layer.variables:
-        if variable.trainable:
-            owners.setdefault(id(variable), path)
-
-
 def _takes_keyword(function: Callable[..., Any], name: str) -> bool:
     """Returns whether `function` accepts the keyword argument `name`."""
     parameters = inspect.signature(function).parameters.values()
@@ -1561,15 +1180,3 @@ def _takes_keyword(function: Callable[..., Any], name: str) -> bool:
         p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD
         for p in parameters
     )
-
-
-def _compatible(shape: tuple, expected: tuple) -> bool:
-    """Returns whether two static shapes agree where both are known."""
-    return len(shape) == len(expected) and all(
-        a is None or b is None or a == b for a, b in zip(shape, expected)
-    )
-
-
-def _format(arguments: dict[str, Any]) -> str:
-    """Formats a dict as `name=value, ...`."""
-    return ", ".join(f"{name}={value}" for name, value in arguments.items())

@@ -504,11 +504,6 @@ class _Latest:
         return self.state[where[0]][where[1]]
 
 
-def _own_state_models(model: Any) -> list[Any]:
-    """Returns `model` and the custom_fit models nested in it."""
-    return [model, *model._inner_step_models()]
-
-
 class _StepFunction:
     """Keras' JAX train or test function, around the imperative step.
 
@@ -554,7 +549,7 @@ class _StepFunction:
 
         holders = [
             _model_state.state_of(m).holder
-            for m in _own_state_models(self.model)
+            for m in _model_state.models_in(self.model)
         ]
         versions = tuple(h.version for h in holders)
         if self._own is None or self._own[0] != versions:

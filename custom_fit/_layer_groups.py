@@ -1,0 +1,46 @@
+"""Which layer group each variable belongs to (inspection, layer clipping).
+
+`TrainStepMixin.layer_names_of` names, for each variable, the entry of
+`model.layers` that owns it, descending `layer_depth - 1` levels into
+models used as layers (`"encoder/dense_1"`).
+"""
+
+from typing import Any
+
+
+def assign_owners(
+    layer: Any, path: str, depth: int, owners: dict[int, str]
+) -> None:
+    """Names the group of each trainable variable of `layer`.
+
+    See `TrainStepMixin.layer_names_of`: it descends `depth - 1` levels into
+    models used as layers. A variable is read from `layer.variables`, not
+    `layer.trainable_variables`, which is empty for a frozen layer even when
+    a layer inside it trains (`enable_lora` freezes each transformer layer
+    and unfreezes its query and value projections, whose LoRA kernels the
+    model trains).
+    """
+    if depth > 1:
+        for inner in getattr(layer, "layers", None) or ():
+            assign_owners(inner, f"{path}/{inner.name}", depth - 1, owners)
+    for variable in layer.variables:
+        if variable.trainable:
+            owners.setdefault(id(variable), path)
+
+
+def layer_names(model: Any, variables: Any, depth: int) -> list[str]:
+    """Returns, for each variable, the name of the group that owns it.
+
+    Args:
+        model: The model.
+        variables: List of variables of the model.
+        depth: Integer, the `layer_depth` option.
+
+    Returns:
+        A list of group names aligned with `variables`; a variable that no
+        entry of `model.layers` owns gets the model's name.
+    """
+    owners: dict[int, str] = {}
+    for layer in model.layers:
+        assign_owners(layer, layer.name, depth, owners)
+    return [owners.get(id(variable), model.name) for variable in variables]

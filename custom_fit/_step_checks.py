@@ -1,0 +1,167 @@
+"""Checks of a model's step: overrides, transform outputs, optimizers.
+
+Each raises a `ValueError` that names what it received and the fix, as
+early as it can: a step override at construction, the output of
+`transform_gradients` at trace time, an optimizer when an update starts.
+"""
+
+import inspect
+from collections.abc import Sequence
+from typing import Any
+
+from custom_fit import _gradient_ops
+from custom_fit import _options
+from custom_fit import pipeline
+from custom_fit._types import Gradients
+from custom_fit._types import Optimizer
+from custom_fit._types import Variable
+
+
+def refuse_stateless_step_overrides(cls: type, base: type) -> None:
+    """Raises if `cls` overrides a step in the form of Keras' JAX trainer.
+
+    Keras' JAX trainer calls `train_step(state, data)`; custom_fit runs one
+    stateful `train_step(data)` on every backend and carries the state
+    itself, so such an override would fail deep inside the step.
+
+    Args:
+        cls: The model class.
+        base: `TrainStepMixin`: overrides in classes derived from it count.
+
+    Raises:
+        ValueError: Naming the override and showing the one-argument form.
+    """
+    for name in ("train_step", "test_step"):
+        owner = next(k for k in cls.__mro__ if name in vars(k))
+        if not issubclass(owner, base):
+            continue
+        parameters = [
+            p
+            for p in inspect.signature(vars(owner)[name]).parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+            and p.default is p.empty
+        ]
+        if len(parameters) <= 2:  # self, data
+            continue
+        listed = ", ".join(p.name for p in parameters)
+        raise ValueError(
+            f"custom_fit models take `{name}(self, data)` on every backend "
+            "and carry the model's state themselves; the form "
+            f"`{name}(self, state, data)` is that of Keras' JAX trainer. "
+            f"Received: {owner.__name__}.{name}({listed}). Override "
+            f"`{name}(self, data)` and call `super().{name}(data)` "
+            "inside it."
+        )
+
+
+def check_transformed(
+    gradients: Gradients, transformed: Any, variables: Sequence[Variable]
+) -> None:
+    """Raises if `transform_gradients` returned no gradient list for them.
+
+    Runs at trace time, where lengths and static shapes are known.
+    """
+    if not isinstance(transformed, (list, tuple)):
+        raise ValueError(
+            "`transform_gradients` must return a list of gradients aligned "
+            f"with the variables. Received: {type(transformed).__name__} "
+            f"{transformed!r}. Return the list, e.g. the result of "
+            "`super().transform_gradients(gradients, variables)`."
+        )
+    if len(transformed) != len(variables):
+        missing = [v.path for v in variables[len(transformed) :]]
+        raise ValueError(
+            "`transform_gradients` must return one gradient per variable. "
+            f"Received: {len(transformed)} gradients for {len(variables)} "
+            "variables"
+            + (f"; no gradient for {missing}" if missing else "")
+            + ". Return a list aligned with `variables` (None for a "
+            "variable that has no gradient)."
+        )
+    for before, after, variable in zip(gradients, transformed, variables):
+        if after is None and before is not None:
+            raise ValueError(
+                "`transform_gradients` returned None for the variable "
+                f"{variable.path!r}, which has a gradient: it would not be "
+                "trained. Received: None. Return a gradient (zeros to leave "
+                "it unchanged by the optimizer's step)."
+            )
+        if after is None or _gradient_ops.is_sparse(after):
+            continue
+        shape = getattr(after, "shape", None)
+        if shape is None or not compatible(tuple(shape), variable.shape):
+            raise ValueError(
+                "`transform_gradients` returned a gradient of shape "
+                f"{shape} for the variable {variable.path!r} of shape "
+                f"{tuple(variable.shape)}. Received: {after!r}. Return one "
+                "gradient of the variable's shape per variable."
+            )
+
+
+def compatible(shape: tuple, expected: tuple) -> bool:
+    """Returns whether two static shapes agree where both are known."""
+    return len(shape) == len(expected) and all(
+        a is None or b is None or a == b for a, b in zip(shape, expected)
+    )
+
+
+def checked_optimizer(model: Any, optimizer: Optimizer | None) -> Optimizer:
+    """Returns the optimizer of an update (`model`'s by default), checked.
+
+    Raises:
+        ValueError: Without an optimizer, or for one that accumulates
+            gradients itself.
+    """
+    optimizer = optimizer or getattr(model, "optimizer", None)
+    if optimizer is None:
+        raise ValueError(
+            "`minimize` needs an optimizer. Received: optimizer=None and "
+            f"the model {model.name!r} has none. Compile the model, or "
+            "pass optimizer=... to `minimize`."
+        )
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    steps = max(
+        (
+            getattr(member, "gradient_accumulation_steps", None) or 0
+            for member in [inner, *getattr(inner, "optimizers", [])]
+        ),
+        default=0,
+    )
+    if steps:
+        raise ValueError(
+            "The optimizer accumulates gradients itself, after "
+            "custom_fit's transforms, so clipping and inspection would "
+            "act on each micro-batch instead of the accumulated "
+            "gradient. Received: optimizer with "
+            f"gradient_accumulation_steps={steps}. Remove it from the "
+            "optimizer and pass gradient_accumulation_steps="
+            f"{steps} to the model's constructor instead."
+        )
+    return optimizer
+
+
+def warn_about_optimizer_clipping(model: Any, optimizer: Optimizer) -> None:
+    """Warns once if the optimizer's own clipping is wrong or redundant."""
+    found = pipeline.optimizer_clipping(optimizer)
+    twice = _options.any_set(model, "clipping")
+    if not found or not (twice or pipeline.replica_count() > 1):
+        return
+    model._warn_once(
+        "optimizer_clipping",
+        f"The optimizer clips gradients itself ({_format(found)})."
+        + (
+            " custom_fit already clips them, so they are clipped twice."
+            if twice
+            else ""
+        )
+        + " Under tf.distribute, Keras' optimizer-level clipping acts on "
+        "each replica's share of the gradient, before the replicas are "
+        "summed, so it does not clip the gradient of the global batch. "
+        "Remove the clipping arguments from the optimizer and pass them "
+        "to custom_fit.GradientClippingMixin instead.",
+    )
+
+
+def _format(arguments: dict[str, Any]) -> str:
+    """Formats a dict as `name=value, ...`."""
+    return ", ".join(f"{name}={value}" for name, value in arguments.items())

@@ -30,7 +30,7 @@ import keras
 
 from custom_fit.backend._contract import Adapter
 
-SUPPORTED = ("tensorflow", "jax")
+SUPPORTED = ("tensorflow", "jax", "torch")
 
 
 def name() -> str:

@@ -1,0 +1,355 @@
+"""The PyTorch adapter: eager steps, `torch.autograd`, `torch.func`.
+
+Keras' PyTorch trainer runs the step eagerly (`jit_compile=True` would
+mean `torch.compile`, refused here: see `check_compile`), statefully: a
+variable's value is a `torch.nn.Parameter` that the optimizer updates in
+place. custom_fit keeps the step Keras builds and runs its own
+`train_step` in it, as on TensorFlow:
+
+- Gradients come from `torch.autograd.grad` of the loss with respect to
+  the variables' parameters (never `.backward()`, so no `.grad` is left
+  behind), under `torch.enable_grad()`: Keras runs `evaluate`'s step
+  under `torch.no_grad()`, where an input-gradient penalty must still
+  differentiate.
+- Per-example gradients are `torch.func.vmap` of `torch.func.grad` of a
+  function that runs the model in a `keras.StatelessScope` on the values
+  passed in (`torch.func.functional_call` does not reach Keras
+  variables), with `randomness="different"` so that dropout draws per
+  example.
+- A conditional update reads its condition on the host (`bool(tensor)`):
+  the step is eager, and Keras' loop reads each step's logs on the host
+  anyway. Measured here on the MLP of the benchmarks: the read took
+  about 0.01 ms, against 0.4-0.5 ms (13% of the step) for a snapshot of
+  the state and a `torch.where` per variable.
+- A variable's value is the parameter itself, which the optimizer updates
+  in place: every value kept for later (`read`, `copy`) is a clone.
+
+Keras has no PyTorch distribution yet: one process, one replica.
+"""
+
+import contextlib
+from collections.abc import Callable
+from collections.abc import Sequence
+from typing import Any
+
+import keras
+import numpy as np
+import torch
+
+from custom_fit.backend._dense import all_reduce_sum  # noqa: F401
+from custom_fit.backend._dense import build_batch  # noqa: F401
+from custom_fit.backend._dense import check_recorded_loss  # noqa: F401
+from custom_fit.backend._dense import deduplicate  # noqa: F401
+from custom_fit.backend._dense import dense  # noqa: F401
+from custom_fit.backend._dense import dense_size  # noqa: F401
+from custom_fit.backend._dense import is_sparse  # noqa: F401
+from custom_fit.backend._dense import map_values  # noqa: F401
+from custom_fit.backend._dense import on_first_replica  # noqa: F401
+from custom_fit.backend._dense import recorded_gradients  # noqa: F401
+from custom_fit.backend._dense import reducible_logs  # noqa: F401
+from custom_fit.backend._dense import replica_count  # noqa: F401
+
+
+def _parameter(variable: Any) -> Any:
+    """The tensor a loss is differentiated by: the variable's parameter."""
+    return variable.value if isinstance(variable, keras.Variable) else variable
+
+
+def _gradients(value: Any, variables: Sequence[Any], **kwargs: Any) -> list:
+    """`torch.autograd.grad` of `value`; `None` where it does not depend.
+
+    Variables that do not require gradients (frozen since the list was
+    made) get `None`, as a tape gives for an unwatched variable.
+    """
+    parameters = [_parameter(v) for v in variables]
+    wanted = [i for i, p in enumerate(parameters) if p.requires_grad]
+    gradients: list[Any] = [None] * len(parameters)
+    if not wanted or not value.requires_grad:
+        return gradients
+    found = torch.autograd.grad(
+        value, [parameters[i] for i in wanted], allow_unused=True, **kwargs
+    )
+    for i, gradient in zip(wanted, found):
+        gradients[i] = gradient
+    return gradients
+
+
+# Differentiation.
+
+
+def value_and_grad(
+    function: Callable[[], tuple[Any, Any]], variables: Any
+) -> tuple[Any, Any, list[Any]]:
+    """Returns `(value, aux, gradients)` of `function` w.r.t. `variables`.
+
+    See `custom_fit.backend.tensorflow.value_and_grad`: here one
+    `torch.autograd.grad` (no `.grad` attribute is written).
+    """
+    with torch.enable_grad():
+        value, aux = function()
+        if callable(variables):
+            variables = variables()
+        gradients = _gradients(value, list(variables))
+    return value, aux, gradients
+
+
+def values_and_grads(
+    function: Callable[[], tuple[dict[str, Any], Any]], variables: Any
+) -> tuple[dict[str, Any], Any, dict[str, list[Any]]]:
+    """Returns the values, aux and gradients of several scalar losses.
+
+    One forward pass, then one backward pass per loss through the same
+    graph (kept until the last).
+    """
+    with torch.enable_grad():
+        values, aux = function()
+        if callable(variables):
+            variables = variables()
+        variables = list(variables)
+        names = list(values)
+        gradients = {
+            name: _gradients(
+                values[name], variables, retain_graph=i < len(names) - 1
+            )
+            for i, name in enumerate(names)
+        }
+    return values, aux, gradients
+
+
+def normal(shape: Sequence[int], dtype: str, seeds: Any) -> Any:
+    """Returns standard normal draws of `shape`, seeded from `seeds`.
+
+    `seeds` is a `keras.random.SeedGenerator`, advanced by one draw.
+    """
+    return keras.random.normal(shape, dtype=dtype, seed=seeds)
+
+
+def divisible_first_axis(tensor: Any, count: int, message: str) -> Any:
+    """Returns `tensor`, checking that `count` divides its first axis.
+
+    The step is eager: a `ValueError(message)` is raised at once.
+    """
+    if tensor.shape[0] % count:
+        raise ValueError(message)
+    return tensor
+
+
+def per_example_gradients(
+    function: Callable[..., Any], variables: Sequence[Any], inputs: tuple
+) -> tuple[list[Any], bool]:
+    """Returns the gradient of `function` for each slice of `inputs`.
+
+    `torch.func.vmap` of `torch.func.grad` of the function run in a
+    `keras.StatelessScope` on the values passed in; updates it makes
+    (random seeds) stay inside it, so each slice sees the step's state.
+    Where an op cannot be vectorized, the slices are differentiated one
+    after another (the second result is then `False`).
+    """
+    variables = list(variables)
+
+    def pure(values: list[Any], args: tuple) -> Any:
+        mapping = list(zip(variables, values))
+        with keras.StatelessScope(state_mapping=mapping, collect_losses=True):
+            return function(*args)
+
+    start = [_parameter(v).detach() for v in variables]
+    try:
+        with torch.enable_grad():
+            gradients = torch.func.vmap(
+                torch.func.grad(pure),
+                in_dims=(None, 0),
+                randomness="different",
+            )(start, inputs)
+        return list(gradients), True
+    except (RuntimeError, NotImplementedError):  # an op vmap cannot batch
+        pass
+    size = keras.tree.flatten(inputs)[0].shape[0]
+    rows = []
+    for i in range(size):
+        row = keras.tree.map_structure(
+            lambda t, i=i: None if t is None else t[i], inputs
+        )
+        with torch.enable_grad():
+            gradients = _gradients(function(*row), variables)
+        rows.append(
+            [
+                torch.zeros_like(_parameter(v)) if g is None else g
+                for g, v in zip(gradients, variables)
+            ]
+        )
+    return [torch.stack(column) for column in zip(*rows)], False
+
+
+def input_gradients(
+    function: Callable[[Any], Any], inputs: Sequence[Any]
+) -> list[Any]:
+    """Returns the gradients of `function(inputs)` w.r.t. tensors `inputs`.
+
+    Differentiable again (`create_graph=True`: double backpropagation), and
+    taken under `torch.enable_grad()` also in `evaluate`, whose step Keras
+    runs under `torch.no_grad()`. Inputs the value does not depend on get
+    zero gradients.
+    """
+    with torch.enable_grad():
+        inputs = [
+            keras.ops.convert_to_tensor(x).detach().requires_grad_(True)
+            for x in inputs
+        ]
+        value = function(inputs)
+        found = torch.autograd.grad(
+            value, inputs, create_graph=True, allow_unused=True
+        )
+    return [
+        torch.zeros_like(x) if g is None else g for g, x in zip(found, inputs)
+    ]
+
+
+# Conditional updates.
+
+
+def run_if(
+    condition: Any,
+    function: Callable[..., object],
+    args: tuple[Any, ...] = (),
+    synchronized: bool = False,
+) -> None:
+    """Runs `function(*args)` only when `condition` is true (read on host)."""
+    del synchronized
+    if bool(condition):
+        function(*args)
+
+
+def apply_gradients(
+    optimizer: Any, gradients: Sequence[Any], variables: Sequence[Any]
+) -> None:
+    """Applies `gradients` with `optimizer.apply`, under `torch.no_grad()`.
+
+    As Keras' PyTorch trainer applies them: the update is not recorded.
+    """
+    with torch.no_grad():
+        optimizer.apply(list(gradients), list(variables))
+
+
+def assign_variables(variables: Sequence[Any], values: Sequence[Any]) -> None:
+    """Assigns `values` to `variables`."""
+    for variable, value in zip(variables, values):
+        variable.assign(value)
+
+
+def restore_if(
+    condition: Any, variables: Sequence[Any], values: Sequence[Any]
+) -> None:
+    """Writes `values` back into `variables` when `condition` (on host)."""
+    if bool(condition):
+        assign_variables(variables, values)
+
+
+# State.
+
+
+def state_variable(
+    shape: Sequence[int],
+    dtype: str,
+    name: str,
+    summed: bool = False,
+    like: Any = None,
+) -> keras.Variable:
+    """Returns a zero-initialized, non-trainable Keras variable.
+
+    `summed` and `like` have no meaning with one replica on one device.
+    """
+    del summed, like
+    return keras.Variable(
+        initializer=keras.initializers.Zeros(),
+        shape=shape,
+        dtype=dtype,
+        trainable=False,
+        name=name,
+    )
+
+
+def creation_scope() -> contextlib.AbstractContextManager:
+    """Returns a context that does nothing: the step is eager."""
+    return contextlib.nullcontext()
+
+
+def read(variable: Any) -> Any:
+    """Returns a copy of a variable's current value.
+
+    The value itself is the parameter, which later writes change in place.
+    """
+    return _parameter(variable).clone()
+
+
+def copy(value: Any) -> Any:
+    """Returns a copy of a value, untouched by later in-place writes."""
+    return keras.ops.convert_to_tensor(_parameter(value)).detach().clone()
+
+
+def host_value(model: Any, variable: Any) -> np.ndarray:
+    """Returns a variable's value on the host (the variables are current)."""
+    del model
+    return np.asarray(keras.ops.convert_to_numpy(_parameter(variable)))
+
+
+def write_latest(model: Any) -> None:
+    """Does nothing: the variables always hold the latest values."""
+    del model
+
+
+def after_state_sync(model: Any) -> None:
+    """Does nothing: the step is stateful, Keras syncs no state."""
+    del model
+
+
+# Training functions.
+
+
+def check_strategy() -> None:
+    """Raises for an initialized `torch.distributed` process group.
+
+    Keras 3 has no PyTorch distribution: `fit` would train each process
+    on its own data, with no gradient summed across them.
+    """
+    distributed = torch.distributed
+    if distributed.is_available() and distributed.is_initialized():
+        raise ValueError(
+            "custom_fit cannot train under torch.distributed: Keras has no "
+            "PyTorch distribution yet, so each process would train its own "
+            "copy of the model on its own data, and no gradient would be "
+            "summed across processes. Received: an initialized "
+            f"torch.distributed process group of {distributed.get_world_size()} "
+            "processes. Train in one process on PyTorch, or use the JAX "
+            "backend (keras.distribution) or TensorFlow (tf.distribute) to "
+            "scale out."
+        )
+
+
+def make_step_function(
+    model: Any, kind: str, build_keras_function: Callable[[], Any]
+) -> Any:
+    """Returns Keras' own train or test function: the step is stateful."""
+    del kind
+    check_compile(model)
+    return build_keras_function()
+
+
+def check_compile(model: Any) -> None:
+    """Raises for `jit_compile=True`, which means `torch.compile` here.
+
+    A custom_fit step under `torch.compile` gave the weights of the eager
+    step, but broke into many graphs (each host-read condition is a graph
+    break) and ran slower than eager: see BUILD_NOTES, "PyTorch".
+    """
+    if getattr(model, "jit_compile", False) is True:
+        raise ValueError(
+            "custom_fit runs the PyTorch step eagerly: `jit_compile=True` "
+            "(torch.compile) splits custom_fit's step into many graphs and "
+            "measured slower than eager, so it is refused. Received: "
+            "jit_compile=True with KERAS_BACKEND='torch'. Leave jit_compile "
+            "at its default ('auto', eager on PyTorch) or set it to False."
+        )
+
+
+class TrainerHooks:
+    """No Keras trainer method needs overriding: the step is stateful."""

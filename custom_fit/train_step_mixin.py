@@ -1031,6 +1031,15 @@ class TrainStepMixin(_keras_compat.PrivateOverrides, _TrainerHooks):
             for model in _model_state.models_in(self)
         ]
 
+    def compile(self, *args: Any, **kwargs: Any) -> None:
+        """Configures the model for training: `keras.Model.compile`.
+
+        A setting the backend's step cannot run is refused here (on
+        PyTorch, `jit_compile=True`: `torch.compile`).
+        """
+        super().compile(*args, **kwargs)
+        backend.current().check_compile(self)
+
     def fit(self, *args: Any, **kwargs: Any) -> Any:
         """Trains the model: `keras.Model.fit`, with the same arguments.
 

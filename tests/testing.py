@@ -13,13 +13,43 @@ from absl.testing import parameterized
 
 BACKEND = keras.backend.backend()
 
-# Named execution modes for `fit`, as Keras' own trainer tests sweep them.
-EXECUTION_MODES = (
-    ("eager", dict(run_eagerly=True)),
-    ("graph_fn", dict(run_eagerly=False, jit_compile=False)),
-    ("jit", dict(run_eagerly=False, jit_compile=True)),
-    ("steps_per_execution", dict(jit_compile=False, steps_per_execution=4)),
+# Named execution modes for `fit`, as Keras' own trainer tests sweep them,
+# the distinct ones of each backend: on JAX, `jit_compile=False` runs the
+# step unjitted, as eager does (so no `graph_fn`), and `steps_per_execution`
+# loops a jitted step; Keras' PyTorch trainer runs eagerly and refuses
+# `steps_per_execution > 1`, and custom_fit refuses `torch.compile`.
+_ALL_MODES = {
+    "eager": dict(run_eagerly=True),
+    "graph_fn": dict(run_eagerly=False, jit_compile=False),
+    "jit": dict(run_eagerly=False, jit_compile=True),
+    "steps_per_execution": dict(jit_compile=False, steps_per_execution=4),
+    "jit_steps_per_execution": dict(jit_compile=True, steps_per_execution=4),
+}
+_MODES_OF = {
+    "tensorflow": ("eager", "graph_fn", "jit", "steps_per_execution"),
+    "jax": ("eager", "jit", "jit_steps_per_execution"),
+    "torch": ("eager",),
+}
+EXECUTION_MODES = tuple(
+    (name, _ALL_MODES[name]) for name in _MODES_OF[BACKEND]
 )
+# The modes whose step is compiled (traced), none on PyTorch.
+COMPILED_MODES = tuple(m for m in EXECUTION_MODES if m[0] != "eager")
+# The modes in which a batch-level callback sees every step.
+EVERY_STEP_MODES = tuple(
+    m for m in EXECUTION_MODES if "steps_per_execution" not in m[1]
+)
+
+
+def modes(*names):
+    """Returns the named execution modes, those that run on this backend.
+
+    For a test that sweeps its own list: on PyTorch, where no step is
+    compiled, only `"eager"` and `"graph_fn"` (`jit_compile=False`) run.
+    """
+    if BACKEND == "torch":
+        names = tuple(n for n in names if n in ("eager", "graph_fn"))
+    return tuple((name, _ALL_MODES[name]) for name in names)
 
 
 class TestCase(parameterized.TestCase):
@@ -88,7 +118,12 @@ def data_parallel():
 @contextlib.contextmanager
 def two_devices():
     """Trains on two devices: MirroredStrategy's scope on TensorFlow,
-    `data_parallel` on JAX."""
+    `data_parallel` on JAX; skips on PyTorch (Keras has no PyTorch
+    distribution)."""
+    if BACKEND == "torch":
+        import pytest
+
+        pytest.skip("Keras has no PyTorch distribution")
     if BACKEND == "tensorflow":
         with mirrored_strategy().scope():
             yield
@@ -196,7 +231,19 @@ def to_numpy(value):
 def tape_gradients(model, x, y, loss_fn):
     """Returns the gradients of `loss_fn` (plus `model.losses`) w.r.t. the
     trainable weights, computed by hand: a plain `tf.GradientTape` on
-    TensorFlow, `jax.grad` of a stateless call on JAX (the oracle)."""
+    TensorFlow, `jax.grad` of a stateless call on JAX, `torch.autograd.grad`
+    on PyTorch (the oracle)."""
+    if BACKEND == "torch":
+        import torch
+
+        with torch.enable_grad():
+            loss = loss_fn(y, model(x, training=True))
+            for extra in model.losses:
+                loss = loss + extra
+            grads = torch.autograd.grad(
+                loss, [v.value for v in model.trainable_variables]
+            )
+        return [g.detach().cpu().numpy() for g in grads]
     if BACKEND == "jax":
         import jax
 
@@ -332,9 +379,9 @@ def numpy_clip(
     return grads
 
 
-# The oldest keras-hub the keras-hub tests and example run with. CI's wheel
-# step has Keras 3.11, under which pip installs an older keras-hub (0.32
-# needs Keras 3.15): those tests skip there, saying so.
+# The oldest keras-hub the keras-hub tests and example run with (0.32
+# needs Keras 3.15); with an older one, or none (the `hub` extra is not
+# installed), those tests skip, saying so.
 KERAS_HUB_MINIMUM = "0.32.0"
 
 

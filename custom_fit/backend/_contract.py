@@ -208,6 +208,13 @@ class Adapter(Protocol):
         """Raises early for a distribution that `fit` cannot use."""
         ...
 
+    def check_compile(self, model: Any) -> None:
+        """Raises at `compile` for a setting the backend's step cannot run.
+
+        PyTorch's `jit_compile=True` (`torch.compile`).
+        """
+        ...
+
     def make_step_function(
         self,
         model: Any,

@@ -329,8 +329,7 @@ def make_step_function(
     model: Any, kind: str, build_keras_function: Callable[[], Any]
 ) -> Any:
     """Returns Keras' own train or test function: the step is stateful."""
-    del kind
-    check_compile(model)
+    del model, kind
     return build_keras_function()
 
 

@@ -286,13 +286,23 @@ class TrainStepMixin(_keras_compat.PrivateOverrides, _TrainerHooks):
     @layers.setter
     def layers(self, value: Any) -> None:
         # Keras' own setter refuses the name, with its own message.
-        mro = type(self).__mro__
-        for klass in mro[mro.index(TrainStepMixin) + 1 :]:
-            keras_property = vars(klass).get("layers")
-            if isinstance(keras_property, property) and keras_property.fset:
-                keras_property.fset(self, value)
-                return
-        raise AttributeError("`layers` is reserved. Use another name.")
+        keras_property = _keras_property(self, "layers")
+        if keras_property.fset is None:
+            raise AttributeError("`layers` is reserved. Use another name.")
+        keras_property.fset(self, value)
+
+    @property
+    def jit_compile(self) -> Any:
+        """Whether the step is compiled, as in Keras (set by `compile`)."""
+        return _keras_property(self, "jit_compile").fget(self)
+
+    @jit_compile.setter
+    def jit_compile(self, value: Any) -> None:
+        # Set by `compile` (not overridden: Keras would then not compile a
+        # loaded model); a setting the backend's step cannot run is
+        # refused here (PyTorch's `torch.compile`).
+        _keras_property(self, "jit_compile").fset(self, value)
+        backend.current().check_compile(self)
 
     # Hooks, in the order `train_step` calls them.
 
@@ -1031,15 +1041,6 @@ class TrainStepMixin(_keras_compat.PrivateOverrides, _TrainerHooks):
             for model in _model_state.models_in(self)
         ]
 
-    def compile(self, *args: Any, **kwargs: Any) -> None:
-        """Configures the model for training: `keras.Model.compile`.
-
-        A setting the backend's step cannot run is refused here (on
-        PyTorch, `jit_compile=True`: `torch.compile`).
-        """
-        super().compile(*args, **kwargs)
-        backend.current().check_compile(self)
-
     def fit(self, *args: Any, **kwargs: Any) -> Any:
         """Trains the model: `keras.Model.fit`, with the same arguments.
 
@@ -1180,6 +1181,20 @@ class _Update:
     aux: Any
     applied: Tensor | None
     counted: Tensor | None
+
+
+def _keras_property(model: Any, name: str) -> property:
+    """Returns Keras' property `name` of the model's class (after the mixin).
+
+    Raises:
+        AttributeError: If no class after `TrainStepMixin` defines one.
+    """
+    mro = type(model).__mro__
+    for klass in mro[mro.index(TrainStepMixin) + 1 :]:
+        found = vars(klass).get(name)
+        if isinstance(found, property):
+            return found
+    raise AttributeError(f"No Keras property {name!r} on {type(model)}.")
 
 
 def _takes_keyword(function: Callable[..., Any], name: str) -> bool:

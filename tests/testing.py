@@ -30,9 +30,7 @@ _MODES_OF = {
     "jax": ("eager", "jit", "jit_steps_per_execution"),
     "torch": ("eager",),
 }
-EXECUTION_MODES = tuple(
-    (name, _ALL_MODES[name]) for name in _MODES_OF[BACKEND]
-)
+EXECUTION_MODES = tuple((name, _ALL_MODES[name]) for name in _MODES_OF[BACKEND])
 # The modes whose step is compiled (traced), none on PyTorch.
 COMPILED_MODES = tuple(m for m in EXECUTION_MODES if m[0] != "eager")
 # The modes in which a batch-level callback sees every step.
@@ -50,6 +48,48 @@ def modes(*names):
     if BACKEND == "torch":
         names = tuple(n for n in names if n in ("eager", "graph_fn"))
     return tuple((name, _ALL_MODES[name]) for name in names)
+
+
+def _runs_here(value):
+    """False for `compile` arguments this backend cannot run: on PyTorch a
+    compiled step (`jit_compile=True`) or `steps_per_execution > 1`."""
+    if BACKEND != "torch" or not isinstance(value, dict):
+        return True
+    return not (
+        value.get("jit_compile") is True
+        or value.get("steps_per_execution", 1) > 1
+    )
+
+
+def runnable(cases):
+    """Returns the parameterized cases that run on this backend: on PyTorch,
+    those whose `compile` arguments (a dict among a case's values) ask for
+    no compiled step and one step per execution."""
+    return tuple(
+        case
+        for case in cases
+        if all(
+            _runs_here(v)
+            for v in (case.values() if isinstance(case, dict) else case)
+        )
+    )
+
+
+def compiled(**kwargs):
+    """`compile` arguments for a compiled step (`jit_compile=True`) with
+    `kwargs`, on a backend that compiles one; on PyTorch, where the step
+    runs eagerly, `kwargs` without `steps_per_execution` (a case about
+    something else than the mode still runs there)."""
+    if BACKEND == "torch":
+        kwargs.pop("steps_per_execution", None)
+        return kwargs
+    return dict(jit_compile=True, **kwargs)
+
+
+def looped(steps):
+    """`compile` arguments for `steps_per_execution=steps`; on PyTorch,
+    which runs one step per execution, none."""
+    return {} if BACKEND == "torch" else dict(steps_per_execution=steps)
 
 
 class TestCase(parameterized.TestCase):
@@ -274,6 +314,75 @@ def tape_gradients(model, x, y, loss_fn):
 
     # Traced: some layers' custom gradients (float8) work in graphs only.
     return [g.numpy() for g in tf.function(gradients)()]
+
+
+def backend_gradients(loss_fn, variables):
+    """Returns the gradients of `loss_fn()` w.r.t. `variables`, taken with
+    the backend's own autodiff (an oracle): a `tf.GradientTape`, `jax.grad`
+    of the function run in a `keras.StatelessScope` on the values, or
+    `torch.autograd.grad`. NumPy arrays; `None` where the loss does not
+    depend on a variable (TensorFlow, PyTorch), zeros there on JAX."""
+    variables = list(variables)
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        with tf.GradientTape() as tape:
+            loss = loss_fn()
+        return [
+            None if g is None else to_numpy(g)
+            for g in tape.gradient(loss, variables)
+        ]
+    if BACKEND == "jax":
+        import jax
+
+        def pure(values):
+            mapping = list(zip(variables, values))
+            with keras.StatelessScope(state_mapping=mapping):
+                return loss_fn()
+
+        grads = jax.grad(pure)([v.value for v in variables])
+        return [np.asarray(g) for g in grads]
+    import torch
+
+    with torch.enable_grad():
+        loss = loss_fn()
+        grads = torch.autograd.grad(
+            loss, [v.value for v in variables], allow_unused=True
+        )
+    return [None if g is None else g.detach().cpu().numpy() for g in grads]
+
+
+def value_and_gradients(loss_of, values):
+    """Returns `loss_of(values)` as a float and its gradients w.r.t.
+    `values`, a list of arrays, taken with the backend's own autodiff (an
+    oracle): a `tf.GradientTape`, `jax.value_and_grad`, or
+    `torch.autograd.grad`; the gradients as NumPy arrays."""
+    if BACKEND == "jax":
+        import jax
+
+        loss, gradients = jax.value_and_grad(loss_of)(
+            [jax.numpy.asarray(v) for v in values]
+        )
+        return float(loss), [np.asarray(g) for g in gradients]
+    if BACKEND == "torch":
+        import torch
+
+        with torch.enable_grad():
+            values = [
+                torch.tensor(np.asarray(v), requires_grad=True) for v in values
+            ]
+            loss = loss_of(values)
+            gradients = torch.autograd.grad(loss, values)
+        return float(loss.detach()), [
+            g.detach().cpu().numpy() for g in gradients
+        ]
+    import tensorflow as tf
+
+    values = [tf.constant(v) for v in values]
+    with tf.GradientTape() as tape:
+        tape.watch(values)
+        loss = loss_of(values)
+    return float(loss), [g.numpy() for g in tape.gradient(loss, values)]
 
 
 def numpy_adaptive_clip(grad, weight, clipping_ratio, eps):

@@ -92,7 +92,7 @@ def check_transformed(
         if shape is None or not compatible(tuple(shape), variable.shape):
             raise ValueError(
                 "`transform_gradients` returned a gradient of shape "
-                f"{shape} for the variable {variable.path!r} of shape "
+                f"{tuple(shape)} for the variable {variable.path!r} of shape "
                 f"{tuple(variable.shape)}. Received: {after!r}. Return one "
                 "gradient of the variable's shape per variable."
             )

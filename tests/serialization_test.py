@@ -97,7 +97,11 @@ BUILDERS = {
     "subclassed": subclassed,
 }
 
-OTHER_BACKEND = "jax" if testing.BACKEND == "tensorflow" else "tensorflow"
+# Each pass of the suite pairs its backend with the next one, so that the
+# three passes save and load across every pair, both ways.
+OTHER_BACKEND = {"tensorflow": "jax", "jax": "torch", "torch": "tensorflow"}[
+    testing.BACKEND
+]
 REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # A program of the other backend's user: this module's classes (registered

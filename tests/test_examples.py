@@ -3,10 +3,10 @@
 Each example runs in a fresh process under each Keras backend: the test is
 parameterized over the backend, which the process gets as
 `KERAS_BACKEND`, and each parameter carries that backend's marker, so the
-TensorFlow pass of the suite runs the examples on TensorFlow and the JAX
-pass on JAX. Every example program run here runs on both backends
-unchanged (TensorBoard logs are written with TensorFlow's `tf.summary`
-on either). The two that launch a cluster need one backend by nature and
+TensorFlow pass of the suite runs the examples on TensorFlow, the JAX pass
+on JAX and the PyTorch pass on PyTorch. Every example program run here
+runs on the three backends unchanged (TensorBoard logs are written with
+TensorFlow's `tf.summary` on each). The two that launch a cluster need one backend by nature and
 are tested in files of their own (see `TESTED_ELSEWHERE`).
 """
 
@@ -33,6 +33,7 @@ BACKENDS = pytest.mark.parametrize(
     [
         pytest.param("tensorflow", marks=pytest.mark.tensorflow),
         pytest.param("jax", marks=pytest.mark.jax),
+        pytest.param("torch", marks=pytest.mark.torch),
     ],
 )
 

@@ -294,14 +294,14 @@ class TrainStepMixin(_keras_compat.PrivateOverrides, _TrainerHooks):
     @property
     def jit_compile(self) -> Any:
         """Whether the step is compiled, as in Keras (set by `compile`)."""
-        return _keras_property(self, "jit_compile").fget(self)
+        return _keras_property(self, "jit_compile").__get__(self)
 
     @jit_compile.setter
     def jit_compile(self, value: Any) -> None:
         # Set by `compile` (not overridden: Keras would then not compile a
         # loaded model); a setting the backend's step cannot run is
         # refused here (PyTorch's `torch.compile`).
-        _keras_property(self, "jit_compile").fset(self, value)
+        _keras_property(self, "jit_compile").__set__(self, value)
         backend.current().check_compile(self)
 
     # Hooks, in the order `train_step` calls them.

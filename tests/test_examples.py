@@ -6,8 +6,9 @@ parameterized over the backend, which the process gets as
 TensorFlow pass of the suite runs the examples on TensorFlow, the JAX pass
 on JAX and the PyTorch pass on PyTorch. Every example program run here
 runs on the three backends unchanged (TensorBoard logs are written with
-TensorFlow's `tf.summary` on each). The two that launch a cluster need one backend by nature and
-are tested in files of their own (see `TESTED_ELSEWHERE`).
+TensorFlow's `tf.summary` on each). The two that launch a cluster need one
+backend by nature and are tested in files of their own (see
+`TESTED_ELSEWHERE`).
 """
 
 import csv

@@ -318,10 +318,11 @@ def check_strategy() -> None:
             "PyTorch distribution yet, so each process would train its own "
             "copy of the model on its own data, and no gradient would be "
             "summed across processes. Received: an initialized "
-            f"torch.distributed process group of {distributed.get_world_size()} "
-            "processes. Train in one process on PyTorch, or use the JAX "
-            "backend (keras.distribution) or TensorFlow (tf.distribute) to "
-            "scale out."
+            "torch.distributed process group of "
+            f"{distributed.get_world_size()} processes. Train in one "
+            "process on PyTorch, or use the JAX backend "
+            "(keras.distribution) or TensorFlow (tf.distribute) to scale "
+            "out."
         )
 
 

@@ -40,7 +40,7 @@ _Model = TypeVar("_Model", bound="TrainStepMixin")
 PER_LOSS_MODES = (False, "outputs", "outputs_and_penalties")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # identity, as a function's
 class BatchLoss:
     """The loss function of a training step, with the batch it runs on.
 

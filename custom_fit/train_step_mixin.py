@@ -302,7 +302,34 @@ class TrainStepMixin(_keras_compat.PrivateOverrides, _TrainerHooks):
         # loaded model); a setting the backend's step cannot run is
         # refused here (PyTorch's `torch.compile`).
         _keras_property(self, "jit_compile").__set__(self, value)
-        backend.current().check_compile(self)
+        backend.current().check_compile(self.jit_compile)
+
+    def compile_from_config(self, config: dict[str, Any]) -> None:
+        """Compiles a loaded model from its saved compile configuration.
+
+        As in Keras, except for one setting. The configuration holds
+        `jit_compile` as the saving backend resolved it: `"auto"` becomes
+        `True` on JAX and TensorFlow. Where this backend refuses that value
+        (PyTorch, whose `True` means `torch.compile`), the model is compiled
+        with `"auto"` instead, with a warning; a `jit_compile=True` passed
+        to `compile` by hand is still refused.
+
+        Args:
+            config: The dict that `get_compile_config()` returned.
+        """
+        jit_compile = config.get("jit_compile")
+        try:
+            backend.current().check_compile(jit_compile)
+        except ValueError as error:
+            warnings.warn(
+                f"The saved compile configuration has "
+                f"jit_compile={jit_compile!r}, as the backend it was saved "
+                f"under resolved it; compiling with jit_compile='auto'. "
+                f"{error}",
+                stacklevel=2,
+            )
+            config = {**config, "jit_compile": "auto"}
+        super().compile_from_config(config)
 
     # Hooks, in the order `train_step` calls them.
 

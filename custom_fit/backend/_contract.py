@@ -208,11 +208,9 @@ class Adapter(Protocol):
         """Raises early for a distribution that `fit` cannot use."""
         ...
 
-    def check_compile(self, model: Any) -> None:
-        """Raises at `compile` for a setting the backend's step cannot run.
-
-        PyTorch's `jit_compile=True` (`torch.compile`).
-        """
+    def check_compile(self, jit_compile: Any) -> None:
+        """Raises `ValueError` for a resolved `jit_compile` the backend's
+        step cannot run: PyTorch's `True` (`torch.compile`)."""
         ...
 
     def make_step_function(

@@ -86,9 +86,9 @@ def dense(gradient: Any) -> Any:
 # Every `compile` setting runs.
 
 
-def check_compile(model: Any) -> None:
-    """Accepts every `compile` setting."""
-    del model
+def check_compile(jit_compile: Any) -> None:
+    """Accepts every `jit_compile`."""
+    del jit_compile
 
 
 # Keras' own build before `fit` and its logs work as they are.

@@ -495,9 +495,9 @@ def check_strategy() -> None:
         )
 
 
-def check_compile(model: Any) -> None:
-    """Accepts every `compile` setting (XLA included)."""
-    del model
+def check_compile(jit_compile: Any) -> None:
+    """Accepts every `jit_compile` (XLA included)."""
+    del jit_compile
 
 
 def make_step_function(

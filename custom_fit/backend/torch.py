@@ -334,14 +334,14 @@ def make_step_function(
     return build_keras_function()
 
 
-def check_compile(model: Any) -> None:
+def check_compile(jit_compile: Any) -> None:
     """Raises for `jit_compile=True`, which means `torch.compile` here.
 
     A custom_fit step under `torch.compile` gave the weights of the eager
     step, but broke into many graphs (each host-read condition is a graph
     break) and ran slower than eager: see BUILD_NOTES, "PyTorch".
     """
-    if getattr(model, "jit_compile", False) is True:
+    if jit_compile is True:
         raise ValueError(
             "custom_fit runs the PyTorch step eagerly: `jit_compile=True` "
             "(torch.compile) splits custom_fit's step into many graphs and "

@@ -124,8 +124,10 @@ def declared_options(cls: type) -> dict[str, Option]:
 
 @functools.cache
 def _declared(cls: type) -> tuple[tuple[str, Option], ...]:
-    """The `Option`s of `cls`, found once per class (an eager step asks for
-    them at every step)."""
+    """Returns the `Option`s of `cls`, found once per class.
+
+    An eager step asks for them at every step.
+    """
     options = {}
     for klass in reversed(cls.__mro__):
         for name, attribute in vars(klass).items():

@@ -66,6 +66,7 @@ class PrivateMLP(custom_fit.DifferentialPrivacyMixin, keras.Model):
 
 
 def loss():
+    """The loss of both phases (the model outputs logits)."""
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 

@@ -209,8 +209,11 @@ class Adapter(Protocol):
         ...
 
     def check_compile(self, jit_compile: Any) -> None:
-        """Raises `ValueError` for a resolved `jit_compile` the backend's
-        step cannot run: PyTorch's `True` (`torch.compile`)."""
+        """Raises `ValueError` for a `jit_compile` the step cannot run.
+
+        `jit_compile` is the value `compile` resolved; PyTorch refuses
+        `True` (`torch.compile`).
+        """
         ...
 
     def make_step_function(

@@ -198,6 +198,15 @@ def per_output_losses(
     return losses
 
 
+def all_layers(layer: Any) -> list[Any]:
+    """Returns every layer inside `layer`, at any depth, without it.
+
+    `Layer._flatten_layers` walks the layers Keras tracks as attributes
+    (those of a custom layer too, which `model.layers` does not list).
+    """
+    return list(layer._flatten_layers(include_self=False, recursive=True))
+
+
 def optimizer_trainable_variables(optimizer: Any) -> list[Any]:
     """Returns the variables an optimizer was built for, in its order.
 

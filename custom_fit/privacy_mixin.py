@@ -7,6 +7,7 @@ from typing import Any
 import keras
 from keras import ops
 
+from custom_fit import _ghost_layers
 from custom_fit import _gradient_ops
 from custom_fit import _keras_compat
 from custom_fit import _model_state
@@ -14,6 +15,7 @@ from custom_fit import _options
 from custom_fit import _state
 from custom_fit import _validation
 from custom_fit import backend
+from custom_fit import ghost
 from custom_fit import pipeline
 from custom_fit import privacy
 from custom_fit._types import Gradients
@@ -22,6 +24,9 @@ from custom_fit._types import Tensor
 from custom_fit._types import Variable
 from custom_fit.train_step_mixin import BatchLoss
 from custom_fit.train_step_mixin import TrainStepMixin
+
+# The ways to clip each example's gradient (`clipping_method`).
+CLIPPING_METHODS = ("auto", "ghost", "vectorized")
 
 
 def _number(name: str, value: Any, zero_allowed: bool) -> float | None:
@@ -186,6 +191,9 @@ class DifferentialPrivacyMixin(TrainStepMixin):
     expected_batch_size = _options.Option(
         None, _validation.positive_float_or_none
     )
+    clipping_method = _options.Option(
+        "auto", _validation.one_of(CLIPPING_METHODS)
+    )
 
     def _configure_options(self, options: dict[str, Any]) -> None:
         """Checks the options; makes the noise's generator and the count."""
@@ -217,6 +225,16 @@ class DifferentialPrivacyMixin(TrainStepMixin):
                 f"{self.expected_batch_size}, num_microbatches="
                 f"{self.num_microbatches}. Leave num_microbatches out."
             )
+        if self.clipping_method == "ghost" and (
+            self.num_microbatches is not None
+        ):
+            raise ValueError(
+                "`clipping_method='ghost'` clips each example's gradient from "
+                "its layers' inputs and output gradients, so it needs one "
+                "example per microbatch. Received: clipping_method='ghost', "
+                f"num_microbatches={self.num_microbatches}. Leave "
+                "num_microbatches out, or use clipping_method='auto'."
+            )
         state = _model_state.state_of(self)
         state.dp_seeds = keras.random.SeedGenerator(self.noise_seed)
         state.holder.track(state.dp_seeds.state)
@@ -228,6 +246,16 @@ class DifferentialPrivacyMixin(TrainStepMixin):
         """The private steps run so far, skipped updates included."""
         counter = _model_state.state_of(self).dp_steps
         return int(backend.current().host_value(self, counter))
+
+    @property
+    def per_example_clipping(self) -> str:
+        """How the next step clips: `"ghost"` or `"vectorized"`."""
+        return self._clipping_choice(self._clipped_variables())[0]
+
+    @property
+    def per_example_clipping_reason(self) -> str:
+        """Why `per_example_clipping` is what it is, naming the layer."""
+        return self._clipping_choice(self._clipped_variables())[1]
 
     def compute_gradients(
         self,
@@ -272,19 +300,24 @@ class DifferentialPrivacyMixin(TrainStepMixin):
         optimizer = optimizer or self.optimizer
         self._refuse_batch_mixing()
         self._refuse_dynamic_loss_scale(optimizer)
-        loss, y_pred = loss_function()
         if variables is None:
             variables = self.trainable_variables
         weighted = [v for v in variables if not pipeline.is_overwritten(v)]
-        sums = iter(
-            self._clipped_sums(
+        found = None
+        if self._clipping_choice(weighted)[0] == "ghost":
+            found = self._ghost_clipped_sums(loss_function, weighted, optimizer)
+        if found is None:
+            loss, y_pred = loss_function()
+            clipped = self._clipped_sums(
                 loss_function.x,
                 loss_function.y,
                 loss_function.sample_weight,
                 weighted,
                 optimizer,
             )
-        )
+        else:
+            loss, y_pred, clipped = found
+        sums = iter(clipped)
         gradients: Gradients = [
             None if pipeline.is_overwritten(v) else next(sums)
             for v in variables
@@ -426,6 +459,14 @@ class DifferentialPrivacyMixin(TrainStepMixin):
         # Poisson batch) contributes nothing, `model.losses` included.
         mask = None if sample_weight is None else _weighted(inputs[2])
         sums, norms = privacy.clip_and_sum(per_microbatch, clip, mask)
+        self._note_clipping(x, norms, mask, microbatches)
+        return pipeline.all_reduce_sum(sums)
+
+    def _note_clipping(
+        self, x: Any, norms: Tensor, mask: Any, microbatches: int | None
+    ) -> None:
+        """Reports the clipped share; keeps the global microbatch count."""
+        clip = ops.cast(self.l2_norm_clip, "float32")
         changed = ops.logical_or(
             ops.greater(norms, clip), ops.logical_not(ops.isfinite(norms))
         )
@@ -436,12 +477,205 @@ class DifferentialPrivacyMixin(TrainStepMixin):
             ops.sum(ops.cast(changed, "float32") * included)
             / ops.maximum(ops.sum(included), 1.0),
         )
+        replicas = pipeline.replica_count()
         if microbatches is None:
             count: Any = _keras_compat.batch_size(x, "float32") * replicas
         else:
             count = float(microbatches * replicas)
         _model_state.state_of(self).local.dp_microbatches = count
-        return pipeline.all_reduce_sum(sums)
+
+    def _clipped_variables(self) -> list[Variable]:
+        """The variables a step clips: the trainable ones, not float8."""
+        return [
+            v
+            for v in self.trainable_variables
+            if not pipeline.is_overwritten(v)
+        ]
+
+    def _clipping_choice(
+        self, variables: Sequence[Variable]
+    ) -> tuple[str, str]:
+        """Returns `(method, reason)`: how a step clips `variables`, and why.
+
+        Raises:
+            ValueError: For `clipping_method="ghost"` and a model it cannot
+                handle, naming the layer.
+        """
+        if self.clipping_method == "vectorized":
+            return "vectorized", "clipping_method='vectorized' was asked for"
+        if self.num_microbatches is not None:
+            return "vectorized", (
+                "microbatches of several examples "
+                f"(num_microbatches={self.num_microbatches}) are clipped as "
+                "one, which ghost norms do not compute"
+            )
+        reason = _model_state.state_of(self).dp_ghost_blocker
+        reason = reason or _ghost_layers.blocker(
+            self, variables, trust_code=self.clipping_method == "ghost"
+        )
+        if not reason:
+            return "ghost", (
+                "every trained variable belongs to a layer whose per-example "
+                f"norms come from its inputs and output gradients "
+                f"({_ghost_layers.SUPPORTED_NAMES}, and their LoRA weights)"
+            )
+        if self.clipping_method == "ghost":
+            raise ValueError(
+                "`clipping_method='ghost'` cannot clip this model without "
+                f"per-example gradients: {reason}. Received: "
+                "clipping_method='ghost'. Use clipping_method='auto' (which "
+                "then computes per-example gradients) or 'vectorized'."
+            )
+        return "vectorized", reason
+
+    def _ghost_clipped_sums(
+        self,
+        loss_function: BatchLoss,
+        variables: list[Variable],
+        optimizer: Optimizer,
+    ) -> tuple[Tensor, Any, Gradients] | None:
+        """Returns the loss, `y_pred` and clipped sums by ghost clipping.
+
+        One forward pass over the batch, recording each supported layer's
+        inputs and the gradients of the summed per-example losses with
+        respect to its outputs; the per-example norms, then the
+        factor-weighted sums, come from those (`custom_fit.ghost`).
+        `None` when the pass shows that ghost clipping does not apply
+        (remembered; the step then computes per-example gradients).
+        """
+        x, y, weights = (
+            loss_function.x,
+            loss_function.y,
+            loss_function.sample_weight,
+        )
+        layers = _ghost_layers.layers_to_record(self, variables)
+        regularized = [v for v in self.trainable_weights if v.regularizer]
+        problems: list[str] = []
+        calls: list[Any] = []
+
+        def run(watch: Callable[[Any], Any]) -> tuple[Tensor, Any]:
+            with _ghost_layers.recording(layers, watch) as recorded:
+                loss, y_pred = loss_function()
+            calls[:] = [layer for layer, _ in recorded]
+            if len(self.losses) != len(regularized):
+                problems.append(
+                    "a layer adds a loss in its call (add_loss), whose "
+                    "gradient is no product of a layer's inputs and output "
+                    "gradients"
+                )
+            losses = self._per_example_losses(y, y_pred, weights)
+            value = optimizer.scale_loss(ops.sum(losses))
+            return value, (loss, y_pred, losses, [t for _, t in recorded])
+
+        _, aux, gradients = backend.current().intermediate_gradients(run)
+        loss, y_pred, losses, inputs = aux
+        size = next(t for t in keras.tree.flatten(x) if t is not None).shape[0]
+        for layer, tensor in zip(calls, inputs):
+            problems.append(_ghost_layers.call_problem(layer, tensor, size))
+        problems = [p for p in problems if p]
+        if problems:
+            if self.clipping_method == "ghost":
+                raise ValueError(
+                    "`clipping_method='ghost'` cannot clip this model "
+                    f"without per-example gradients: {problems[0]}. "
+                    "Received: clipping_method='ghost'. Use "
+                    "clipping_method='auto' or 'vectorized'."
+                )
+            _model_state.state_of(self).dp_ghost_blocker = problems[0]
+            return None
+        terms = self._ghost_terms(
+            calls, inputs, gradients, variables, optimizer
+        )
+        shared = self._shared_gradients(variables, regularized)
+        squares = ops.zeros_like(ops.cast(losses, "float32"))
+        for v in variables:
+            squares += ghost.squared_norms(terms[id(v)], shared.get(id(v)))
+        # A NaN stays NaN (its example then counts zero); rounding below 0
+        # does not.
+        norms = ops.sqrt(ops.where(squares < 0.0, 0.0, squares))
+        mask = None if weights is None else _weighted(weights)
+        clip = ops.cast(self.l2_norm_clip, "float32")
+        factors = ops.stop_gradient(privacy.clip_factors(norms, clip, mask))
+        sums = [
+            ghost.weighted_sum(
+                terms[id(v)], factors, v.shape, shared.get(id(v))
+            )
+            for v in variables
+        ]
+        self._note_clipping(x, norms, mask, None)
+        return loss, y_pred, pipeline.all_reduce_sum(sums)
+
+    def _ghost_terms(
+        self,
+        calls: list[Any],
+        inputs: list[Any],
+        gradients: list[Any],
+        variables: list[Variable],
+        optimizer: Optimizer,
+    ) -> dict[int, list[ghost.Term]]:
+        """Returns each variable's terms, from every recorded call."""
+        scale = pipeline.loss_scale(optimizer)
+        wanted = {id(v) for v in variables}
+        terms: dict[int, list[ghost.Term]] = {key: [] for key in wanted}
+        for layer, tensor, gradient in zip(calls, inputs, gradients):
+            if scale is not None:
+                gradient = gradient / ops.cast(scale, gradient.dtype)
+            found = _ghost_layers.terms(layer, tensor, gradient, wanted)
+            for key, more in found.items():
+                terms[key].extend(more)
+        return terms
+
+    def _shared_gradients(
+        self, variables: list[Variable], regularized: list[Variable]
+    ) -> dict[int, Tensor]:
+        """Returns the gradients of the weight regularizers (`model.losses`).
+
+        Every example's loss includes them, so every example's gradient
+        has this part.
+        """
+        wanted = {id(v) for v in variables}
+        own = [v for v in regularized if id(v) in wanted]
+        if not own:
+            return {}
+
+        def penalty() -> tuple[Tensor, None]:
+            values = [
+                ops.cast(ops.sum(v.regularizer(v)), "float32") for v in own
+            ]
+            return _gradient_ops.add_all(values), None
+
+        _, _, gradients = backend.current().value_and_grad(penalty, own)
+        return {id(v): g for v, g in zip(own, gradients)}
+
+    def _per_example_losses(self, y: Any, y_pred: Any, weights: Any) -> Tensor:
+        """Returns each example's loss, as a microbatch of one would have it.
+
+        The compiled losses of each example alone (Keras' `1 / replicas`
+        scaling under `tf.distribute` undone), by `ops.vectorized_map`.
+        """
+
+        def alone(tensor: Any) -> Any:
+            if tensor is None:
+                return None
+            tensor = ops.convert_to_tensor(tensor)
+            return ops.reshape(tensor, (-1, 1) + tuple(tensor.shape[1:]))
+
+        elements: tuple = (
+            keras.tree.map_structure(alone, y),
+            keras.tree.map_structure(alone, y_pred),
+        )
+        if weights is not None:
+            elements += (keras.tree.map_structure(alone, weights),)
+        replicas = pipeline.replica_count()
+
+        def one(example: tuple) -> Tensor:
+            weight = example[2] if len(example) > 2 else None
+            losses = _keras_compat.per_output_losses(
+                self, example[0], example[1], weight
+            )
+            return _gradient_ops.add_all(list(losses.values())) * replicas
+
+        return ops.vectorized_map(one, elements)
 
     def _microbatch_count(self, x: Any) -> int | None:
         """Returns the number of microbatches; `None`: one per example.

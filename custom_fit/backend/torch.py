@@ -204,6 +204,37 @@ def input_gradients(
     ]
 
 
+def intermediate_gradients(
+    function: Callable[[Callable[[Any], Any]], tuple[Any, Any]],
+) -> tuple[Any, Any, list[Any]]:
+    """Returns `(value, aux, gradients)` of `function(watch)`.
+
+    See `custom_fit.backend.tensorflow.intermediate_gradients`: here one
+    `torch.autograd.grad` with respect to the watched tensors, which are
+    nodes of the graph already (a tensor that does not require gradients
+    gets zeros).
+    """
+    watched: list[Any] = []
+
+    def watch(tensor: Any) -> Any:
+        watched.append(tensor)
+        return tensor
+
+    with torch.enable_grad():
+        value, aux = function(watch)
+        wanted = [i for i, t in enumerate(watched) if t.requires_grad]
+        found: Sequence[Any] = ()
+        if wanted and value.requires_grad:
+            found = torch.autograd.grad(
+                value, [watched[i] for i in wanted], allow_unused=True
+            )
+    gradients = [torch.zeros_like(t) for t in watched]
+    for i, gradient in zip(wanted, found):
+        if gradient is not None:
+            gradients[i] = gradient
+    return value, aux, gradients
+
+
 # Conditional updates.
 
 
@@ -313,12 +344,13 @@ def check_strategy() -> None:
     """
     distributed = torch.distributed
     if distributed.is_available() and distributed.is_initialized():
+        processes = distributed.get_world_size()
         raise ValueError(
             "custom_fit cannot train under torch.distributed: Keras has no "
             "PyTorch distribution yet, so each process would train its own "
             "copy of the model on its own data, and no gradient would be "
             "summed across processes. Received: an initialized "
-            f"torch.distributed process group of {distributed.get_world_size()} "
+            f"torch.distributed process group of {processes} "
             "processes. Train in one process on PyTorch, or use the JAX "
             "backend (keras.distribution) or TensorFlow (tf.distribute) to "
             "scale out."

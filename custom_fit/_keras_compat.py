@@ -167,9 +167,78 @@ def per_output_losses(
         A dict of output name to scalar loss (empty without a compiled
         loss).
     """
+    return {
+        name: value
+        for name, _, value in _output_losses(model, y, y_pred, sample_weight)
+    }
+
+
+def summed_example_losses(
+    model: keras.Model, y: Any, y_pred: Any, sample_weight: Any
+) -> tuple[Any, str]:
+    """Returns the sum over the batch of each example's compiled loss.
+
+    Each example's loss is what `per_output_losses` gives for a batch of
+    that example alone (times the replica count, as
+    `DifferentialPrivacyMixin` counts it). Keras' reductions are linear in
+    the examples' weighted losses: the sum is the batch's loss times the
+    batch size for `"sum_over_batch_size"` and `"mean"` (a sum over the
+    loss's values divided by their count) and times 1 for `"sum"`, read
+    from each compiled `Loss`'s `reduction`. Not for
+    `"mean_with_sample_weight"` with sample weights, a reduction of
+    `None`, or a custom loss whose values are one number per batch.
+
+    Args:
+        model: A compiled model, its `compute_loss` run in this step.
+        y: The targets of the batch.
+        y_pred: The predictions.
+        sample_weight: The sample weights, or `None`.
+
+    Returns:
+        A tuple `(sum, problem)`: a scalar, or `None` with a sentence
+        saying which loss is not linear in the examples.
+    """
+    total = None
+    for name, loss, value in _output_losses(model, y, y_pred, sample_weight):
+        reduction = getattr(loss, "reduction", "sum_over_batch_size")
+        if reduction not in ("sum", "sum_over_batch_size", "mean") and not (
+            reduction == "mean_with_sample_weight" and sample_weight is None
+        ):
+            return None, (
+                f"the loss of the output {name!r} has the reduction "
+                f"{reduction!r}, which is not a sum of per-example losses"
+            )
+        if not _per_example_values(loss):
+            return None, (
+                f"the loss of the output {name!r} is a custom function or "
+                "class, whose values may be one number per batch"
+            )
+        if reduction != "sum":
+            value = value * batch_size(y_pred, "float32")
+        total = value if total is None else total + value
+    if total is None:
+        return None, "the model has no compiled loss"
+    return total, ""
+
+
+def _per_example_values(loss: Any) -> bool:
+    """Whether a compiled loss is one of Keras' own (one value per entry).
+
+    `LossFunctionWrapper` (`Loss.call` of a function) wraps Keras' loss
+    functions and users' alike: its `fn` tells them apart.
+    """
+    function = getattr(loss, "fn", None) or type(loss)
+    module = getattr(function, "__module__", "") or ""
+    return module.startswith("keras.")
+
+
+def _output_losses(
+    model: keras.Model, y: Any, y_pred: Any, sample_weight: Any
+) -> list[tuple[str, Any, Any]]:
+    """Returns `(name, loss object, weighted value)` of each output."""
     compile_loss = getattr(model, "_compile_loss", None)
     if compile_loss is None:
-        return {}
+        return []
     flat = keras.tree.flatten
     if keras.tree.is_nested(y_pred) or keras.tree.is_nested(y):
         y_pred = keras.tree.pack_sequence_as(
@@ -184,7 +253,7 @@ def per_output_losses(
             value = value[key]
         return value
 
-    losses = {}
+    losses = []
     for path, loss, weight, name in compile_loss._flat_losses:
         weights = sample_weight
         if sample_weight is not None and keras.tree.is_nested(sample_weight):
@@ -194,7 +263,7 @@ def per_output_losses(
         )
         if weight is not None:
             value = value * weight
-        losses[name] = value
+        losses.append((name, loss, value))
     return losses
 
 

@@ -563,15 +563,24 @@ class DifferentialPrivacyMixin(TrainStepMixin):
                     "gradient is no product of a layer's inputs and output "
                     "gradients"
                 )
-            losses = self._per_example_losses(y, y_pred, weights)
-            value = optimizer.scale_loss(ops.sum(losses))
-            return value, (loss, y_pred, losses, [t for _, t in recorded])
+            # The sum of the examples' losses, each as the vectorized path
+            # has it (Keras' `1 / replicas` scaling undone).
+            total, problem = _keras_compat.summed_example_losses(
+                self, y, y_pred, weights
+            )
+            if total is None:
+                problems.append(problem)
+                total = loss
+            value = optimizer.scale_loss(total * pipeline.replica_count())
+            return value, (loss, y_pred, [t for _, t in recorded])
 
         _, aux, gradients = backend.current().intermediate_gradients(run)
-        loss, y_pred, losses, inputs = aux
-        size = next(t for t in keras.tree.flatten(x) if t is not None).shape[0]
+        loss, y_pred, inputs = aux
+        first = next(t for t in keras.tree.flatten(x) if t is not None)
         for layer, tensor in zip(calls, inputs):
-            problems.append(_ghost_layers.call_problem(layer, tensor, size))
+            problems.append(
+                _ghost_layers.call_problem(layer, tensor, first.shape[0])
+            )
         problems = [p for p in problems if p]
         if problems:
             if self.clipping_method == "ghost":
@@ -587,7 +596,7 @@ class DifferentialPrivacyMixin(TrainStepMixin):
             calls, inputs, gradients, variables, optimizer
         )
         shared = self._shared_gradients(variables, regularized)
-        squares = ops.zeros_like(ops.cast(losses, "float32"))
+        squares = ops.zeros(ops.shape(first)[:1], "float32")
         for v in variables:
             squares += ghost.squared_norms(terms[id(v)], shared.get(id(v)))
         # A NaN stays NaN (its example then counts zero); rounding below 0
@@ -646,36 +655,6 @@ class DifferentialPrivacyMixin(TrainStepMixin):
 
         _, _, gradients = backend.current().value_and_grad(penalty, own)
         return {id(v): g for v, g in zip(own, gradients)}
-
-    def _per_example_losses(self, y: Any, y_pred: Any, weights: Any) -> Tensor:
-        """Returns each example's loss, as a microbatch of one would have it.
-
-        The compiled losses of each example alone (Keras' `1 / replicas`
-        scaling under `tf.distribute` undone), by `ops.vectorized_map`.
-        """
-
-        def alone(tensor: Any) -> Any:
-            if tensor is None:
-                return None
-            tensor = ops.convert_to_tensor(tensor)
-            return ops.reshape(tensor, (-1, 1) + tuple(tensor.shape[1:]))
-
-        elements: tuple = (
-            keras.tree.map_structure(alone, y),
-            keras.tree.map_structure(alone, y_pred),
-        )
-        if weights is not None:
-            elements += (keras.tree.map_structure(alone, weights),)
-        replicas = pipeline.replica_count()
-
-        def one(example: tuple) -> Tensor:
-            weight = example[2] if len(example) > 2 else None
-            losses = _keras_compat.per_output_losses(
-                self, example[0], example[1], weight
-            )
-            return _gradient_ops.add_all(list(losses.values())) * replicas
-
-        return ops.vectorized_map(one, elements)
 
     def _microbatch_count(self, x: Any) -> int | None:
         """Returns the number of microbatches; `None`: one per example.

@@ -606,6 +606,42 @@ class ClippingMethodTest(testing.TestCase):
         with self.assertRaisesRegex(ValueError, "add_loss"):
             model.fit(x, y, batch_size=BATCH, verbose=0)
 
+    def test_a_sum_reduction_equals_the_vectorized_path(self):
+        """A loss reduced by "sum" (each example's loss, not divided by the
+        batch size) trains as on the vectorized path."""
+        x, y = data("dense")
+        weights = []
+        for method in ("ghost", "vectorized"):
+            model = dense_model(
+                PrivateNet,
+                l2_norm_clip=8.0,
+                noise_multiplier=0.0,
+                clipping_method=method,
+            )
+            model.compile(
+                optimizer=keras.optimizers.SGD(0.01),
+                loss=keras.losses.SparseCategoricalCrossentropy(
+                    from_logits=True, reduction="sum"
+                ),
+            )
+            model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+            weights.append(model.get_weights())
+        self.assertAllClose(weights[0], weights[1], atol=1e-6)
+
+    def test_a_custom_loss_takes_the_vectorized_path(self):
+        """A loss function of the user's may reduce the batch itself: the
+        first step takes the vectorized path, and says why."""
+        x, y = data("dense")
+
+        def loss(y_true, y_pred):
+            return testing.sparse_crossentropy()(y_true, y_pred)
+
+        model = dense_model(PrivateNet, l2_norm_clip=2.0, noise_multiplier=0.0)
+        model.compile(optimizer="sgd", loss=loss)
+        model.fit(x, y, batch_size=BATCH, verbose=0)
+        self.assertEqual(model.per_example_clipping, "vectorized")
+        self.assertIn("custom function", model.per_example_clipping_reason)
+
     def test_bad_values_are_named(self):
         """An unknown method, or "ghost" with microbatches, is refused
         naming the values and the fix."""

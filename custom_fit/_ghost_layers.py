@@ -20,6 +20,7 @@ beside a `Lambda`; `clipping_method="ghost"` trusts that code.
 """
 
 import contextlib
+import threading
 from collections.abc import Callable
 from collections.abc import Iterator
 from collections.abc import Sequence
@@ -186,17 +187,44 @@ def layers_to_record(model: Any, variables: Sequence[Any]) -> list[Any]:
     ]
 
 
+class _Recording:
+    """One thread's recording: its `watch`, its calls, its layers."""
+
+    def __init__(
+        self, layers: Sequence[Any], watch: Callable[[Any], Any]
+    ) -> None:
+        self.watch = watch
+        self.calls: list[tuple[Any, Any]] = []
+        self.layers = {id(layer) for layer in layers}
+        self.held: set[int] = set()  # layers whose activation is held back
+
+
+# The recording of each thread (MirroredStrategy traces each replica in a
+# thread of its own), and how many recordings use each layer's wrappers.
+_LOCAL = threading.local()
+_LOCK = threading.Lock()
+_USERS: dict[int, int] = {}
+
+
+def _active() -> "_Recording | None":
+    return getattr(_LOCAL, "recording", None)
+
+
 @contextlib.contextmanager
 def recording(
     layers: Sequence[Any], watch: Callable[[Any], Any]
 ) -> Iterator[list[tuple[Any, Any]]]:
     """Records each call of `layers`: its inputs, and its output watched.
 
-    Inside the context, each layer's `call` is replaced (on the instance)
-    by one that runs the original with the activation held back, passes
-    the result through `watch`, then applies the activation. The context's
-    value is the list of `(layer, inputs)` in the order of the calls,
-    which is the order of the watched tensors.
+    Inside the context, each layer's `call` runs the original with the
+    activation held back, passes the result through `watch`, then applies
+    the activation. The context's value is the list of `(layer, inputs)`
+    in the order of the calls, which is the order of the watched tensors.
+
+    The layers' `call` and `activation` are replaced on the instances
+    (restored when the last recording using them ends) by wrappers that
+    record only in the thread of a recording that lists the layer; any
+    other call runs as before.
 
     Args:
         layers: Layers of the supported classes.
@@ -206,37 +234,63 @@ def recording(
     Yields:
         The list of calls, filled as the layers run.
     """
-    calls: list[tuple[Any, Any]] = []
-    for layer in layers:
-        object.__setattr__(layer, "call", _recorded(layer, watch, calls))
-    try:
-        yield calls
-    finally:
+    layers = list({id(layer): layer for layer in layers}.values())
+    active = _Recording(layers, watch)
+    previous = _active()
+    _LOCAL.recording = active
+    with _LOCK:
         for layer in layers:
-            object.__delattr__(layer, "call")
+            if not _USERS.get(id(layer)):
+                _wrap(layer)
+            _USERS[id(layer)] = _USERS.get(id(layer), 0) + 1
+    try:
+        yield active.calls
+    finally:
+        _LOCAL.recording = previous
+        with _LOCK:
+            for layer in layers:
+                _USERS[id(layer)] -= 1
+                if not _USERS[id(layer)]:
+                    del _USERS[id(layer)]
+                    _unwrap(layer)
 
 
-def _recorded(
-    layer: Any, watch: Callable[[Any], Any], calls: list[tuple[Any, Any]]
-) -> Callable[..., Any]:
-    """Returns the recording `call` of one layer."""
+def _wrap(layer: Any) -> None:
+    """Puts the recording `call` (and activation) on the instance."""
     original = type(layer).call.__get__(layer)
+    activation = getattr(layer, "activation", None)
 
     def call(*args: Any, **kwargs: Any) -> Any:
-        inputs = args[0] if args else kwargs["inputs"]
-        activation = getattr(layer, "activation", None)
-        if activation is not None:
-            object.__setattr__(layer, "activation", None)
+        active = _active()
+        if active is None or id(layer) not in active.layers:
+            return original(*args, **kwargs)
+        active.held.add(id(layer))
         try:
             outputs = original(*args, **kwargs)
         finally:
-            if activation is not None:
-                object.__setattr__(layer, "activation", activation)
-        calls.append((layer, inputs))
-        outputs = watch(outputs)
+            active.held.discard(id(layer))
+        active.calls.append((layer, args[0] if args else kwargs["inputs"]))
+        outputs = active.watch(outputs)
         return outputs if activation is None else activation(outputs)
 
-    return call
+    def held_back(outputs: Any) -> Any:
+        active = _active()
+        if active is not None and id(layer) in active.held:
+            return outputs
+        return activation(outputs)  # type: ignore[misc]
+
+    object.__setattr__(layer, "call", call)
+    if activation is not None:
+        object.__setattr__(layer, "activation", held_back)
+        object.__setattr__(layer, "_custom_fit_activation", activation)
+
+
+def _unwrap(layer: Any) -> None:
+    """Restores the layer's own `call` and activation."""
+    object.__delattr__(layer, "call")
+    activation = vars(layer).pop("_custom_fit_activation", None)
+    if activation is not None:
+        object.__setattr__(layer, "activation", activation)
 
 
 def call_problem(layer: Any, inputs: Any, batch_size: Any) -> str:
@@ -248,11 +302,7 @@ def call_problem(layer: Any, inputs: Any, batch_size: Any) -> str:
     must be known (its patches are cut at trace time).
     """
     first = inputs.shape[0]
-    if (
-        isinstance(batch_size, int)
-        and first is not None
-        and first != batch_size
-    ):
+    if isinstance(batch_size, int) and first not in (None, batch_size):
         return (
             f"the layer {_named(layer)} was called on a tensor whose first "
             f"axis ({first}) is not the batch's examples ({batch_size})"

@@ -93,10 +93,25 @@ class DifferentialPrivacyMixin(TrainStepMixin):
     (Abadi et al. 2016). That gradient then goes through the rest of the
     pipeline (`transform_gradients`, inspection, the optimizer).
 
-    Per-microbatch gradients are vectorized (`tf.vectorized_map` on
-    TensorFlow, `jax.vmap` on JAX); on TensorFlow, a model with an op that
-    cannot be vectorized (dropout's random seed, say) is differentiated one
-    microbatch after another instead, with a one-time warning. The noise
+    With one example per microbatch and every trained variable in a
+    Dense, EinsumDense, Embedding, Conv1D, Conv2D or Conv3D layer (LoRA
+    weights of `enable_lora` included), no per-example gradient is formed
+    ("ghost clipping", `custom_fit.ghost`): one forward pass records each
+    such layer's inputs and the gradients of the examples' summed loss
+    with respect to its outputs, from which each example's gradient norm
+    follows, and the clipped sum is the same tensors contracted with the
+    clip factors. It gives the same result as per-example gradients at
+    about the cost of one ordinary step. Otherwise (another layer with
+    weights, microbatches of several examples, a loss added in a layer's
+    call, a custom loss function, a supported layer called from code Keras
+    did not write) per-microbatch gradients are vectorized
+    (`tf.vectorized_map` on TensorFlow, `jax.vmap` on JAX, `torch.vmap`);
+    on TensorFlow, a model with an op that cannot be vectorized (dropout's
+    random seed, say) is differentiated one microbatch after another
+    instead, with a one-time warning. `clipping_method` chooses; the
+    model's `per_example_clipping` says which path a step takes, and
+    `per_example_clipping_reason` why. On the ghost path each example gets
+    its own dropout draw (the batch's forward pass). The noise
     comes from a seeded generator that is part of the model's state, so a
     run is reproducible; under `tf.distribute` each replica clips its own
     examples, the clipped sums are summed across replicas, and the same
@@ -157,6 +172,14 @@ class DifferentialPrivacyMixin(TrainStepMixin):
             it. `None` (the default) divides by the
             number of microbatches of each batch. Needs one example per
             microbatch (`num_microbatches=None`).
+        clipping_method: String. How each example's gradient is clipped:
+            `"auto"` (the default) takes ghost clipping where it applies
+            and per-example gradients elsewhere; `"ghost"` asks for ghost
+            clipping and refuses a model it cannot handle, naming the
+            layer (it also accepts supported layers called from a custom
+            layer or model, trusting that code to read their weights only
+            through their own calls, on whole batches); `"vectorized"`
+            always computes per-example gradients. The result is the same.
 
     Attributes:
         private_steps: Integer. The private steps run so far (the
@@ -164,6 +187,12 @@ class DifferentialPrivacyMixin(TrainStepMixin):
             included), over every
             `fit` of this model; custom_fit state, not saved with the
             model.
+        per_example_clipping: String, `"ghost"` or `"vectorized"`: how the
+            next step clips. Decided from the model's layers; the first
+            step may revise `"ghost"` to `"vectorized"` when it finds a
+            loss added in a layer's call or a custom loss function.
+        per_example_clipping_reason: String. Why, naming the layer (or
+            the loss) in the way of ghost clipping.
 
     Example:
 
@@ -175,11 +204,15 @@ class DifferentialPrivacyMixin(TrainStepMixin):
     model = Net(inputs, keras.layers.Dense(3)(inputs), l2_norm_clip=1.0,
                 noise_multiplier=1.1, noise_seed=0)
     model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    model.per_example_clipping  # "ghost": Dense layers only
     ```
 
-    Reference:
-        [Abadi et al., 2016](https://arxiv.org/abs/1607.00133), "Deep
-        Learning with Differential Privacy".
+    References:
+        - [Abadi et al., 2016](https://arxiv.org/abs/1607.00133), "Deep
+          Learning with Differential Privacy".
+        - [Li et al., 2022](https://arxiv.org/abs/2110.05679), "Large
+          Language Models Can Be Strong Differentially Private Learners"
+          (ghost clipping).
     """
 
     reports = ("dp_clipped_fraction",)

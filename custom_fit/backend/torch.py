@@ -1,7 +1,7 @@
 """The PyTorch adapter: eager steps, `torch.autograd`, `torch.func`.
 
 Keras' PyTorch trainer runs the step eagerly (`jit_compile=True` would
-mean `torch.compile`, refused here: see `check_compile`), statefully: a
+mean `torch.compile`, refused here: see `_check_compile`), statefully: a
 variable's value is a `torch.nn.Parameter` that the optimizer updates in
 place. custom_fit keeps the step Keras builds and runs its own
 `train_step` in it, as on TensorFlow:
@@ -362,11 +362,11 @@ def make_step_function(
 ) -> Any:
     """Returns Keras' own train or test function: the step is stateful."""
     del kind
-    check_compile(model)
+    _check_compile(model)
     return build_keras_function()
 
 
-def check_compile(model: Any) -> None:
+def _check_compile(model: Any) -> None:
     """Raises for `jit_compile=True`, which means `torch.compile` here.
 
     A custom_fit step under `torch.compile` gave the weights of the eager

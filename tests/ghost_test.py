@@ -628,6 +628,27 @@ class ClippingMethodTest(testing.TestCase):
             weights.append(model.get_weights())
         self.assertAllClose(weights[0], weights[1], atol=1e-6)
 
+    def test_a_fixed_loss_scale_is_divided_out(self):
+        """With the optimizer's `loss_scale_factor`, the output gradients
+        are loss-scaled: divided out before the norms, as on the
+        vectorized path."""
+        x, y = data("dense")
+        weights = []
+        for method in ("ghost", "vectorized"):
+            model = dense_model(
+                PrivateNet,
+                l2_norm_clip=2.0,
+                noise_multiplier=0.0,
+                clipping_method=method,
+            )
+            model.compile(
+                optimizer=keras.optimizers.SGD(RATE, loss_scale_factor=64.0),
+                loss=testing.sparse_crossentropy(),
+            )
+            model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+            weights.append(model.get_weights())
+        self.assertAllClose(weights[0], weights[1], atol=1e-6)
+
     def test_a_custom_loss_takes_the_vectorized_path(self):
         """A loss function of the user's may reduce the batch itself: the
         first step takes the vectorized path, and says why."""

@@ -169,7 +169,7 @@ def per_output_losses(
     """
     return {
         name: value
-        for name, _, value in _output_losses(model, y, y_pred, sample_weight)
+        for name, _, value, _ in _output_losses(model, y, y_pred, sample_weight)
     }
 
 
@@ -186,7 +186,9 @@ def summed_example_losses(
     loss's values divided by their count) and times 1 for `"sum"`, read
     from each compiled `Loss`'s `reduction`. Not for
     `"mean_with_sample_weight"` with sample weights, a reduction of
-    `None`, or a custom loss whose values are one number per batch.
+    `None`, a loss whose values (`Loss.call`) are one number per batch
+    (`keras.losses.Dice` without an `axis`), or a custom loss function
+    or class, which could be either, or mix the examples.
 
     Args:
         model: A compiled model, its `compute_loss` run in this step.
@@ -199,7 +201,9 @@ def summed_example_losses(
         saying which loss is not linear in the examples.
     """
     total = None
-    for name, loss, value in _output_losses(model, y, y_pred, sample_weight):
+    for name, loss, value, pair in _output_losses(
+        model, y, y_pred, sample_weight
+    ):
         reduction = getattr(loss, "reduction", "sum_over_batch_size")
         if reduction not in ("sum", "sum_over_batch_size", "mean") and not (
             reduction == "mean_with_sample_weight" and sample_weight is None
@@ -213,12 +217,32 @@ def summed_example_losses(
                 f"the loss of the output {name!r} is a custom function or "
                 "class, whose values may be one number per batch"
             )
+        if len(_unreduced(loss, pair).shape) == 0:
+            return None, (
+                f"the loss of the output {name!r} ({type(loss).__name__}) "
+                "computes one number for the whole batch, not one per "
+                "example"
+            )
         if reduction != "sum":
             value = value * batch_size(y_pred, "float32")
         total = value if total is None else total + value
     if total is None:
         return None, "the model has no compiled loss"
     return total, ""
+
+
+def _unreduced(loss: Any, pair: tuple[Any, Any]) -> Any:
+    """Returns a compiled loss's values before its reduction.
+
+    As its `__call__` computes them: `Loss.call` on tensors of its dtype.
+    """
+    y_true, y_pred = (
+        keras.tree.map_structure(
+            lambda t: ops.convert_to_tensor(t, dtype=loss.dtype), part
+        )
+        for part in pair
+    )
+    return loss.call(y_true, y_pred)
 
 
 def _per_example_values(loss: Any) -> bool:
@@ -234,8 +258,8 @@ def _per_example_values(loss: Any) -> bool:
 
 def _output_losses(
     model: keras.Model, y: Any, y_pred: Any, sample_weight: Any
-) -> list[tuple[str, Any, Any]]:
-    """Returns `(name, loss object, weighted value)` of each output."""
+) -> list[tuple[str, Any, Any, tuple[Any, Any]]]:
+    """Returns `(name, loss, weighted value, (y_true, y_pred))` per output."""
     compile_loss = getattr(model, "_compile_loss", None)
     if compile_loss is None:
         return []
@@ -258,12 +282,11 @@ def _output_losses(
         weights = sample_weight
         if sample_weight is not None and keras.tree.is_nested(sample_weight):
             weights = at(path, sample_weight)
-        value = ops.cast(
-            loss(at(path, y), at(path, y_pred), weights), "float32"
-        )
+        pair = (at(path, y), at(path, y_pred))
+        value = ops.cast(loss(*pair, weights), "float32")
         if weight is not None:
             value = value * weight
-        losses.append((name, loss, value))
+        losses.append((name, loss, value, pair))
     return losses
 
 

@@ -663,6 +663,17 @@ class ClippingMethodTest(testing.TestCase):
         self.assertEqual(model.per_example_clipping, "vectorized")
         self.assertIn("custom function", model.per_example_clipping_reason)
 
+    def test_a_loss_of_the_whole_batch_takes_the_vectorized_path(self):
+        """Keras' Dice loss without an `axis` is one number for the whole
+        batch, not a sum over examples: the first step takes the
+        vectorized path, and says why."""
+        x, y = data("dense")
+        model = dense_model(PrivateNet, l2_norm_clip=2.0, noise_multiplier=0.0)
+        model.compile(optimizer="sgd", loss=keras.losses.Dice())
+        model.fit(x, np.eye(3, dtype="float32")[y], batch_size=BATCH, verbose=0)
+        self.assertEqual(model.per_example_clipping, "vectorized")
+        self.assertIn("whole batch", model.per_example_clipping_reason)
+
     def test_bad_values_are_named(self):
         """An unknown method, or "ghost" with microbatches, is refused
         naming the values and the fix."""

@@ -9,6 +9,7 @@ adapter; everything else is `keras.ops`.
 from collections.abc import Callable
 from typing import Any
 
+import keras
 from keras import ops
 
 from custom_fit import backend
@@ -58,7 +59,10 @@ def values_of(gradient: Any) -> Any:
 
 def squared_sum(gradient: Any) -> Any:
     """Returns the float32 sum of squares of the dense equivalent."""
-    values = ops.cast(values_of(deduplicate(gradient)), "float32")
+    values = values_of(deduplicate(gradient))
+    if keras.backend.standardize_dtype(values.dtype) != "float32":
+        # Only where needed: on an eager backend every op costs a call.
+        values = ops.cast(values, "float32")
     return ops.sum(ops.square(values))
 
 

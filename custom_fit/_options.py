@@ -23,6 +23,7 @@ refused, with the closest option name as a suggestion.
 
 import contextlib
 import difflib
+import functools
 import inspect
 import threading
 from collections.abc import Callable
@@ -118,12 +119,21 @@ def declared_options(cls: type) -> dict[str, Option]:
         A dict mapping each option name to its `Option`, base classes
         first, in declaration order.
     """
+    return dict(_declared(cls))
+
+
+@functools.cache
+def _declared(cls: type) -> tuple[tuple[str, Option], ...]:
+    """Returns the `Option`s of `cls`, found once per class.
+
+    An eager step asks for them at every step.
+    """
     options = {}
     for klass in reversed(cls.__mro__):
         for name, attribute in vars(klass).items():
             if isinstance(attribute, Option):
                 options[name] = attribute
-    return options
+    return tuple(options.items())
 
 
 def any_set(instance: object, kind: str) -> bool:

@@ -89,7 +89,8 @@ def check_transformed(
         if after is None or _gradient_ops.is_sparse(after):
             continue
         shape = getattr(after, "shape", None)
-        if shape is None or not compatible(tuple(shape), variable.shape):
+        shape = None if shape is None else tuple(shape)
+        if shape is None or not compatible(shape, variable.shape):
             raise ValueError(
                 "`transform_gradients` returned a gradient of shape "
                 f"{shape} for the variable {variable.path!r} of shape "

@@ -188,8 +188,9 @@ def group_zero_fraction(
             continue
         g = _gradient_ops.deduplicate(g)
         size = _gradient_ops.dense_size(g)
-        nonzero = ops.cast(
-            ops.count_nonzero(_gradient_ops.values_of(g)), "float32"
+        # Not `ops.count_nonzero`: on PyTorch, Keras' version warns.
+        nonzero = ops.sum(
+            ops.cast(ops.not_equal(_gradient_ops.values_of(g), 0), "float32")
         )
         zeros.append(size - nonzero)
         sizes.append(size)

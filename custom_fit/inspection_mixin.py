@@ -123,9 +123,15 @@ class GradientInspectionMixin(TrainStepMixin):
 
     @property
     def layer_gradients(self) -> dict[str, list[np.ndarray]]:
-        """Dict of layer name to the list of its last inspected gradients."""
+        """Dict of layer name to the list of its last inspected gradients.
+
+        Raises:
+            ValueError: Without `keep_gradients=True`. (Not an
+                `AttributeError`: on PyTorch, `torch.nn.Module` would
+                replace its message by a plain "no attribute".)
+        """
         if not self.keep_gradients:
-            raise AttributeError(
+            raise ValueError(
                 "`layer_gradients` needs the model built with "
                 "keep_gradients=True. Received: keep_gradients=False. Pass "
                 "keep_gradients=True to the model's constructor."

@@ -194,7 +194,8 @@ class RegularizationMixin(TrainStepMixin):
             self.report_metric(
                 "regularization_loss", regularization_loss, batch_size
             )
-            unscaled_total -= regularization_loss
+            # Not `-=`: on PyTorch that would change `total` in place.
+            unscaled_total = unscaled_total - regularization_loss
         self.report_metric("data_loss", unscaled_total, batch_size)
         terms = self._penalties(x, y, y_pred, sample_weight, training)
         added = {}
@@ -202,7 +203,7 @@ class RegularizationMixin(TrainStepMixin):
             self.report_metric(name, value, batch_size)
             value = ops.cast(value, total.dtype)
             added[name] = value / replicas if replicas > 1 else value
-            total += added[name]
+            total = total + added[name]
         # `per_loss_gradients="outputs_and_penalties"` differentiates each.
         state.local.loss_terms = added
         return total

@@ -40,7 +40,7 @@ _Model = TypeVar("_Model", bound="TrainStepMixin")
 PER_LOSS_MODES = (False, "outputs", "outputs_and_penalties")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # identity, as a function's
 class BatchLoss:
     """The loss function of a training step, with the batch it runs on.
 
@@ -286,13 +286,50 @@ class TrainStepMixin(_keras_compat.PrivateOverrides, _TrainerHooks):
     @layers.setter
     def layers(self, value: Any) -> None:
         # Keras' own setter refuses the name, with its own message.
-        mro = type(self).__mro__
-        for klass in mro[mro.index(TrainStepMixin) + 1 :]:
-            keras_property = vars(klass).get("layers")
-            if isinstance(keras_property, property) and keras_property.fset:
-                keras_property.fset(self, value)
-                return
-        raise AttributeError("`layers` is reserved. Use another name.")
+        keras_property = _keras_property(self, "layers")
+        if keras_property.fset is None:
+            raise AttributeError("`layers` is reserved. Use another name.")
+        keras_property.fset(self, value)
+
+    @property
+    def jit_compile(self) -> Any:
+        """Whether the step is compiled, as in Keras (set by `compile`)."""
+        return _keras_property(self, "jit_compile").__get__(self)
+
+    @jit_compile.setter
+    def jit_compile(self, value: Any) -> None:
+        # Set by `compile` (not overridden: Keras would then not compile a
+        # loaded model); a setting the backend's step cannot run is
+        # refused here (PyTorch's `torch.compile`).
+        _keras_property(self, "jit_compile").__set__(self, value)
+        backend.current().check_compile(self.jit_compile)
+
+    def compile_from_config(self, config: dict[str, Any]) -> None:
+        """Compiles a loaded model from its saved compile configuration.
+
+        As in Keras, except for one setting. The configuration holds
+        `jit_compile` as the saving backend resolved it: `"auto"` becomes
+        `True` on JAX and TensorFlow. Where this backend refuses that value
+        (PyTorch, whose `True` means `torch.compile`), the model is compiled
+        with `"auto"` instead, with a warning; a `jit_compile=True` passed
+        to `compile` by hand is still refused.
+
+        Args:
+            config: The dict that `get_compile_config()` returned.
+        """
+        jit_compile = config.get("jit_compile")
+        try:
+            backend.current().check_compile(jit_compile)
+        except ValueError as error:
+            warnings.warn(
+                f"The saved compile configuration has "
+                f"jit_compile={jit_compile!r}, as the backend it was saved "
+                f"under resolved it; compiling with jit_compile='auto'. "
+                f"{error}",
+                stacklevel=2,
+            )
+            config = {**config, "jit_compile": "auto"}
+        super().compile_from_config(config)
 
     # Hooks, in the order `train_step` calls them.
 
@@ -1171,6 +1208,20 @@ class _Update:
     aux: Any
     applied: Tensor | None
     counted: Tensor | None
+
+
+def _keras_property(model: Any, name: str) -> property:
+    """Returns Keras' property `name` of the model's class (after the mixin).
+
+    Raises:
+        AttributeError: If no class after `TrainStepMixin` defines one.
+    """
+    mro = type(model).__mro__
+    for klass in mro[mro.index(TrainStepMixin) + 1 :]:
+        found = vars(klass).get(name)
+        if isinstance(found, property):
+            return found
+    raise AttributeError(f"No Keras property {name!r} on {type(model)}.")
 
 
 def _takes_keyword(function: Callable[..., Any], name: str) -> bool:

@@ -81,7 +81,7 @@ class BackendSelectionTest(testing.TestCase):
         self.assertEqual(result.returncode, 0, result.stderr[-2000:])
         self.assertIn("refused:", result.stdout)
         self.assertIn("KERAS_BACKEND='numpy'", result.stdout)
-        self.assertIn("('tensorflow', 'jax')", result.stdout)
+        self.assertIn("('tensorflow', 'jax', 'torch')", result.stdout)
 
     @pytest.mark.jax
     def test_jax_trains_without_tensorflow(self):

@@ -1,8 +1,8 @@
 """Test session set-up per Keras backend: two devices, markers, quiet logs.
 
-The suite runs once per backend (`KERAS_BACKEND=tensorflow`, then `jax`;
-see `.ci/run`). Tests about one backend only are marked `tensorflow` or
-`jax` and skipped on the other.
+The suite runs once per backend (`KERAS_BACKEND=tensorflow`, `jax`, then
+`torch`; see `.ci/run`). Tests about one backend only are marked
+`tensorflow`, `jax` or `torch` and skipped on the others.
 """
 
 import os
@@ -12,7 +12,13 @@ import pytest
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 BACKEND = os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
-if BACKEND == "jax":
+if BACKEND == "torch":
+    # Two OpenMP threads on a shared 2-core machine made a step 10x slower.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(1)
+elif BACKEND == "jax":
     # DataParallel tests need two devices; JAX reads this at start-up.
     os.environ["XLA_FLAGS"] = (
         os.environ.get("XLA_FLAGS", "")
@@ -30,7 +36,7 @@ else:
     )
     tf.config.experimental.enable_tensor_float_32_execution(False)
 
-_BACKEND_MARKERS = ("tensorflow", "jax")
+_BACKEND_MARKERS = ("tensorflow", "jax", "torch")
 
 
 def pytest_configure(config):

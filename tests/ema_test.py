@@ -15,12 +15,7 @@ BATCH = 16
 EMA_MOMENTUM = 0.5  # far from 1, so that every update moves the average
 BAD_BATCH = 2  # of the five batches of an epoch
 
-# The modes in which a batch-level callback sees every step.
-EVERY_STEP_MODES = tuple(
-    (name, mode)
-    for name, mode in testing.EXECUTION_MODES
-    if "steps_per_execution" not in mode
-)
+EVERY_STEP_MODES = testing.EVERY_STEP_MODES
 
 
 class Net(

@@ -390,5 +390,5 @@ class InspectionArgumentsTest(testing.TestCase):
     def test_layer_gradients_without_keep_raises(self):
         """Asking for gradients that were not kept says how to keep them."""
         model = testing.mlp(Net)
-        with self.assertRaisesRegex(AttributeError, "keep_gradients=True"):
+        with self.assertRaisesRegex(ValueError, "keep_gradients=True"):
             getattr(model, "layer_gradients")  # noqa: B009

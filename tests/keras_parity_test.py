@@ -241,11 +241,15 @@ class LayersAttributeTest(testing.TestCase):
 
 class ConsecutiveSkipsTest(testing.TestCase):
     @parameterized.named_parameters(
-        ("eager", Net, {}, dict(run_eagerly=True)),
-        ("jit", Net, {}, dict(jit_compile=True)),
-        ("steps_per_execution", Net, {}, dict(steps_per_execution=4)),
-        ("accumulation", Net, dict(gradient_accumulation_steps=2), {}),
-        ("sharpness", Sharp, {}, {}),
+        *testing.runnable(
+            [
+                ("eager", Net, {}, dict(run_eagerly=True)),
+                ("jit", Net, {}, dict(jit_compile=True)),
+                ("steps_per_execution", Net, {}, dict(steps_per_execution=4)),
+                ("accumulation", Net, dict(gradient_accumulation_steps=2), {}),
+                ("sharpness", Sharp, {}, {}),
+            ]
+        )
     )
     def test_next_fit_after_a_stop_trains(self, model_class, options, mode):
         """After `fit` stops at `max_consecutive_skipped_steps`, the next

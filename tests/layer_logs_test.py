@@ -229,9 +229,13 @@ class LayerNormsInLogsTest(testing.TestCase):
             )
 
     @parameterized.named_parameters(
-        ("eager", dict(run_eagerly=True)),
-        ("graph_fn", dict(run_eagerly=False, jit_compile=False)),
-        ("jit", dict(run_eagerly=False, jit_compile=True)),
+        *testing.runnable(
+            [
+                ("eager", dict(run_eagerly=True)),
+                ("graph_fn", dict(run_eagerly=False, jit_compile=False)),
+                ("jit", dict(run_eagerly=False, jit_compile=True)),
+            ]
+        )
     )
     def test_batch_callback_sees_each_steps_own_norm(self, mode):
         """Batches see grad_norm_step per step and running means."""
@@ -297,8 +301,12 @@ class LayerDepthTest(testing.TestCase):
         self.assertEqual(set(model.gradient_norms), {"encoder", "head"})
 
     @parameterized.named_parameters(
-        ("graph_fn", dict(jit_compile=False)),
-        ("jit", dict(jit_compile=True)),
+        *testing.runnable(
+            [
+                ("graph_fn", dict(jit_compile=False)),
+                ("jit", dict(jit_compile=True)),
+            ]
+        )
     )
     def test_layer_clipnorm_clips_each_nested_layer(self, mode):
         """layer_clipnorm with layer_depth=2 clips each nested layer."""
@@ -380,8 +388,12 @@ class LayerDepthTest(testing.TestCase):
 
 class ReportLastTest(testing.TestCase):
     @parameterized.named_parameters(
-        ("graph_fn", dict(jit_compile=False)),
-        ("steps_per_execution", dict(steps_per_execution=4)),
+        *testing.runnable(
+            [
+                ("graph_fn", dict(jit_compile=False)),
+                ("steps_per_execution", dict(steps_per_execution=4)),
+            ]
+        )
     )
     def test_report_metric_last_logs_the_last_step(self, mode):
         """reduction="last" logs the last step; "mean" the mean."""

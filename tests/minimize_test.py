@@ -5,8 +5,8 @@ discriminator, then the generator (on fresh noise, against the updated
 discriminator), each through `minimize(loss_function, optimizer=...)`.
 The oracle is those alternating SGD steps written by hand: the same noise
 (Keras' seeded `keras.random.normal`), hand-written cross-entropies, and
-gradients of `stateless_call` from a `tf.GradientTape` on TensorFlow or
-`jax.value_and_grad` on JAX.
+gradients of `stateless_call` from the backend's own autodiff
+(`testing.value_and_gradients`).
 """
 
 import contextlib
@@ -101,26 +101,6 @@ def train_gan(
 # The oracle.
 
 
-def value_and_gradients(loss_of, values):
-    """Returns `loss_of(values)` and its gradients w.r.t. `values`, a list
-    of arrays: a `tf.GradientTape` on TensorFlow, `jax.value_and_grad` on
-    JAX."""
-    if testing.BACKEND == "jax":
-        import jax
-
-        loss, gradients = jax.value_and_grad(loss_of)(
-            [jax.numpy.asarray(v) for v in values]
-        )
-        return float(loss), [np.asarray(g) for g in gradients]
-    import tensorflow as tf
-
-    values = [tf.constant(v) for v in values]
-    with tf.GradientTape() as tape:
-        tape.watch(values)
-        loss = loss_of(values)
-    return float(loss), [g.numpy() for g in tape.gradient(loss, values)]
-
-
 def run(network, weights, x):
     """The network's output with `weights` as its trainable values."""
     outputs, _ = network.stateless_call(weights, [], x, training=True)
@@ -158,7 +138,7 @@ def alternating_sgd(real, batch_size, steps, clipnorm=None, lr=0.1):
             keras.random.normal((len(batch), NOISE), seed=seeds)
         )
         fake = testing.to_numpy(run(generator, g_weights, noise))
-        d_loss, d_grads = value_and_gradients(
+        d_loss, d_grads = testing.value_and_gradients(
             lambda w, batch=batch, fake=fake: (
                 cross_entropy(run(discriminator, w, batch), 1)
                 + cross_entropy(run(discriminator, w, fake), 0)
@@ -172,7 +152,7 @@ def alternating_sgd(real, batch_size, steps, clipnorm=None, lr=0.1):
         noise = testing.to_numpy(
             keras.random.normal((len(batch), NOISE), seed=seeds)
         )
-        g_loss, g_grads = value_and_gradients(
+        g_loss, g_grads = testing.value_and_gradients(
             lambda w, noise=noise, d_weights=d_weights: cross_entropy(
                 run(discriminator, d_weights, run(generator, w, noise)), 1
             ),
@@ -234,7 +214,7 @@ class GANTest(testing.TestCase):
         discriminator."""
         real = real_data()
         unclipped = alternating_sgd(real, 32, steps=1)
-        max_norm = global_norm(unclipped["d_grads"][0]) / 4  # the clip bites
+        max_norm = global_norm(unclipped["d_grads"][0]) / 8  # the clip bites
         expected = alternating_sgd(real, 32, steps=1, clipnorm=max_norm)
         self.assertGreater(global_norm(expected["g_grads"][0]), 2 * max_norm)
 
@@ -360,7 +340,7 @@ class MinimizeTest(testing.TestCase):
         like SGD."""
         generator, _ = networks(Generator)
         weights = generator.get_weights()
-        _, gradients = value_and_gradients(
+        _, gradients = testing.value_and_gradients(
             lambda w: ops.mean(run(generator, w, ops.ones((2, NOISE)))),
             weights,
         )

@@ -264,8 +264,12 @@ class PCGradTest(testing.TestCase):
         self.assertGreater(testing.max_difference(results[0], summed), 1e-3)
 
     @parameterized.named_parameters(
-        ("eager", dict(run_eagerly=True)),
-        ("jit", dict(jit_compile=True)),
+        *testing.runnable(
+            [
+                ("eager", dict(run_eagerly=True)),
+                ("jit", dict(jit_compile=True)),
+            ]
+        )
     )
     def test_three_tasks_over_several_steps(self, mode):
         """Each step is NumPy PCGrad in the order task_order showed."""

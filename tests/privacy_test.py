@@ -324,9 +324,9 @@ class DifferentialPrivacyMixinTest(testing.TestCase):
             for name, mode in testing.EXECUTION_MODES
         ],
         # A mean over four examples has a smaller norm: a smaller bound.
-        ("microbatches_of_four", 4, False, False, dict(jit_compile=True)),
+        ("microbatches_of_four", 4, False, False, testing.compiled()),
         ("sample_weight", None, True, False, dict(jit_compile=False)),
-        ("model_losses", None, False, True, dict(steps_per_execution=2)),
+        ("model_losses", None, False, True, testing.looped(2)),
     )
     def test_noiseless_steps_equal_the_per_example_oracle(
         self, num_microbatches, weighted, regularized, mode
@@ -369,7 +369,7 @@ class DifferentialPrivacyMixinTest(testing.TestCase):
             history["dp_clipped_fraction"][-1], fraction, atol=1e-6
         )
 
-    @parameterized.named_parameters(*testing.EXECUTION_MODES[1:3])
+    @parameterized.named_parameters(*testing.modes("graph_fn", "jit"))
     def test_embedding_gradients_equal_the_oracle(self, mode):
         """An Embedding's gradient (sparse on TensorFlow) is clipped and
         averaged per example like any other."""
@@ -494,7 +494,7 @@ class DifferentialPrivacyMixinTest(testing.TestCase):
 
     @parameterized.named_parameters(
         ("guard_off", False, dict(jit_compile=False)),
-        ("skip_nonfinite", True, dict(jit_compile=True)),
+        ("skip_nonfinite", True, testing.compiled()),
     )
     def test_a_nan_example_is_zeroed_and_the_rest_clipped_as_the_oracle(
         self, skip_nonfinite, mode
@@ -560,13 +560,17 @@ class DifferentialPrivacyMixinTest(testing.TestCase):
         self.assertGreater(scale, 1.3 * CLIP * RATE / BATCH / 3)
 
     @parameterized.named_parameters(
-        ("graph", dict(jit_compile=False), False),
-        (
-            "jit_steps_per_execution",
-            dict(jit_compile=True, steps_per_execution=3),
-            False,
-        ),
-        ("model_losses", dict(jit_compile=False), True),
+        *testing.runnable(
+            [
+                ("graph", dict(jit_compile=False), False),
+                (
+                    "jit_steps_per_execution",
+                    dict(jit_compile=True, steps_per_execution=3),
+                    False,
+                ),
+                ("model_losses", dict(jit_compile=False), True),
+            ]
+        )
     )
     def test_poisson_batches_train_as_hand_run_dp_sgd(self, mode, regularized):
         """fit on PoissonSampler batches (padded), dividing by the expected
@@ -630,9 +634,13 @@ class DifferentialPrivacyMixinTest(testing.TestCase):
 
 class AccumulationTest(testing.TestCase):
     @parameterized.named_parameters(
-        ("eager", dict(run_eagerly=True)),
-        ("jit", dict(jit_compile=True)),
-        ("steps_per_execution", dict(steps_per_execution=4)),
+        *testing.runnable(
+            [
+                ("eager", dict(run_eagerly=True)),
+                ("jit", dict(jit_compile=True)),
+                ("steps_per_execution", dict(steps_per_execution=4)),
+            ]
+        )
     )
     def test_micro_batches_equal_the_logical_batch(self, mode):
         """DP with 4 micro-batches of 8 equals DP on batches of 32 with the
@@ -991,7 +999,7 @@ class PrivacyBudgetTest(testing.TestCase):
 
     @parameterized.named_parameters(
         ("rdp", "rdp", {}),
-        ("pld_steps_per_execution", "pld", dict(steps_per_execution=2)),
+        ("pld_steps_per_execution", "pld", testing.looped(2)),
     )
     def test_logs_the_epsilon_of_poisson_steps_so_far(self, accountant, mode):
         """On PoissonSampler batches, after each epoch logs["epsilon"] is
@@ -1056,11 +1064,15 @@ class PrivacyBudgetTest(testing.TestCase):
         self.assertAllClose(history["epsilon"], [expected], rtol=1e-9)
 
     @parameterized.named_parameters(
-        ("graph", dict(jit_compile=False)),
-        (
-            "jit_steps_per_execution",
-            dict(jit_compile=True, steps_per_execution=2),
-        ),
+        *testing.runnable(
+            [
+                ("graph", dict(jit_compile=False)),
+                (
+                    "jit_steps_per_execution",
+                    dict(jit_compile=True, steps_per_execution=2),
+                ),
+            ]
+        )
     )
     def test_skipped_updates_are_counted(self, mode):
         """Every update skipped (a transform makes the noisy gradient NaN):

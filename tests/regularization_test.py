@@ -82,7 +82,11 @@ def double_tape_step(
     batch = len(y)
     w = np.ones([batch], "float32") if sample_weight is None else sample_weight
     w = np.asarray(w, "float32")
-    step = _double_grad_jax if testing.BACKEND == "jax" else _double_tape_tf
+    step = {
+        "tensorflow": _double_tape_tf,
+        "jax": _double_grad_jax,
+        "torch": _double_grad_torch,
+    }[testing.BACKEND]
     grads, penalty = step(model, x, y, weight, form, w, watch_key, forward)
     updated = testing.weights_after_one_sgd_step(
         [testing.to_numpy(v) for v in model.trainable_variables],
@@ -137,6 +141,30 @@ def _double_tape_tf(model, x, y, weight, form, w, watch_key, forward):
         per_sample = [inner.gradient(summed, watched)]
         total, penalty = _penalty_and_total(losses, per_sample, w, weight, form)
     return outer.gradient(total, model.trainable_variables), penalty
+
+
+def _double_grad_torch(model, x, y, weight, form, w, watch_key, forward):
+    import torch
+
+    x = keras.tree.map_structure(ops.convert_to_tensor, x)
+    if not model.built:
+        model(x)  # creates the weights, as the first call on TensorFlow
+    variables = [v.value for v in model.trainable_variables]
+    with torch.enable_grad():
+        watched = (x if watch_key is None else x[watch_key]).clone()
+        watched.requires_grad_(True)
+        inputs = _with_watched(x, watch_key, watched)
+        losses = _per_sample_loss(
+            y, forward(lambda x: model(x, training=True), inputs)
+        )
+        (per_sample,) = torch.autograd.grad(
+            losses.sum(), watched, create_graph=True
+        )
+        total, penalty = _penalty_and_total(
+            losses, [per_sample], ops.convert_to_tensor(w), weight, form
+        )
+        grads = torch.autograd.grad(total, variables)
+    return grads, penalty.detach()
 
 
 def _double_grad_jax(model, x, y, weight, form, w, watch_key, forward):
@@ -345,7 +373,8 @@ class PenaltyOracleTest(testing.TestCase):
         self.assertAllClose(model.get_weights(), expected, rtol=1e-5, atol=1e-7)
 
     @parameterized.product(
-        form=["squared_norm", "wgan_gp"], mode=["eager", "graph_fn", "jit"]
+        form=["squared_norm", "wgan_gp"],
+        mode=[name for name, _ in testing.modes("eager", "graph_fn", "jit")],
     )
     def test_input_gradient_penalty_equals_double_tape(self, form, mode):
         """The penalty's effect on the weights equals a hand-written nested
@@ -698,14 +727,12 @@ class CriticTrainer(custom_fit.TrainStepMixin, keras.Model):
 def wgan_gp_oracle(model, real, fake, alpha, gp_weight, l2, learning_rate):
     """One SGD step of the critic on the WGAN-GP loss written by hand:
     mean(D(fake)) - mean(D(real)) + gp_weight * mean((||dD/dx(x_hat)|| -
-    1)^2) + l2 * sum(kernel^2), with x_hat = real + alpha (fake - real);
-    nested `tf.GradientTape`s on TensorFlow, nested `jax.grad` of
-    `stateless_call` on JAX. Returns the new weights, the penalty term and
-    the l2 term."""
+    1)^2) + l2 * sum(kernel^2), with x_hat = real + alpha (fake - real)
+    (`testing.wgan_gp_gradients`). Returns the new weights, the penalty
+    term and the l2 term."""
     interpolated = real + alpha * (fake - real)
     kernels = ["kernel" in v.path for v in model.trainable_variables]
-    oracle = _wgan_gp_jax if testing.BACKEND == "jax" else _wgan_gp_tf
-    grads, gp, l2_term = oracle(
+    grads, gp, l2_term = testing.wgan_gp_gradients(
         model, real, fake, interpolated, gp_weight, l2, kernels
     )
     weights = testing.weights_after_one_sgd_step(
@@ -714,59 +741,6 @@ def wgan_gp_oracle(model, real, fake, alpha, gp_weight, l2, learning_rate):
         learning_rate,
     )
     return weights, float(gp), float(l2_term)
-
-
-def _wgan_gp_tf(model, real, fake, interpolated, gp_weight, l2, kernels):
-    import tensorflow as tf
-
-    interpolated = tf.constant(interpolated)
-    variables = model.trainable_variables
-    with tf.GradientTape() as outer:
-        with tf.GradientTape() as inner:
-            inner.watch(interpolated)
-            score = model(interpolated, training=True)
-        slopes = tf.norm(inner.gradient(score, interpolated), axis=1)
-        gp = gp_weight * tf.reduce_mean(tf.square(slopes - 1.0))
-        l2_term = l2 * tf.add_n(
-            [tf.reduce_sum(v**2) for v, k in zip(variables, kernels) if k]
-        )
-        loss = (
-            tf.reduce_mean(model(fake, training=True))
-            - tf.reduce_mean(model(real, training=True))
-            + gp
-            + l2_term
-        )
-    return outer.gradient(loss, variables), gp, l2_term
-
-
-def _wgan_gp_jax(model, real, fake, interpolated, gp_weight, l2, kernels):
-    import jax
-    import jax.numpy as jnp
-
-    def score(weights, x):
-        outputs, _ = model.stateless_call(weights, [], x, training=True)
-        return outputs
-
-    def loss(weights):
-        # Each score depends on its own sample only: the gradient of their
-        # sum is each sample's input gradient.
-        slopes = jnp.linalg.norm(
-            jax.grad(lambda x: jnp.sum(score(weights, x)))(interpolated),
-            axis=1,
-        )
-        gp = gp_weight * jnp.mean(jnp.square(slopes - 1.0))
-        l2_term = l2 * sum(jnp.sum(v**2) for v, k in zip(weights, kernels) if k)
-        total = (
-            jnp.mean(score(weights, fake))
-            - jnp.mean(score(weights, real))
-            + gp
-            + l2_term
-        )
-        return total, (gp, l2_term)
-
-    weights = [v.value for v in model.trainable_variables]
-    grads, (gp, l2_term) = jax.grad(loss, has_aux=True)(weights)
-    return grads, gp, l2_term
 
 
 class CriticCase(testing.TestCase):
@@ -809,7 +783,9 @@ class CriticCase(testing.TestCase):
 
 class NetworkPenaltyTest(CriticCase):
     @parameterized.named_parameters(
-        ("eager", True, False), ("graph_fn", False, False), ("jit", False, True)
+        ("eager", True, False),
+        ("graph_fn", False, False),
+        *([("jit", False, True)] if testing.BACKEND != "torch" else []),
     )
     def test_critic_penalties_through_minimize_equal_hand_written(
         self, run_eagerly, jit_compile
@@ -902,7 +878,9 @@ class NetworkPenaltyTest(CriticCase):
 @pytest.mark.tensorflow
 class TapeNetworkPenaltyTest(CriticCase):
     @parameterized.named_parameters(
-        ("eager", True, False), ("graph_fn", False, False), ("jit", False, True)
+        ("eager", True, False),
+        ("graph_fn", False, False),
+        *([("jit", False, True)] if testing.BACKEND != "torch" else []),
     )
     def test_critic_penalties_through_tape_minimize(
         self, run_eagerly, jit_compile

@@ -70,7 +70,7 @@ class ReportMetricTest(testing.TestCase):
         """A sum reported only in training counts steps per epoch and gets
         no val_ entry."""
         x, y = testing.classification_data(samples=48)
-        model = compiled(testing.mlp(TrainOnly), steps_per_execution=2)
+        model = compiled(testing.mlp(TrainOnly), **testing.looped(2))
         history = model.fit(
             x,
             y,

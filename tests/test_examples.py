@@ -3,11 +3,12 @@
 Each example runs in a fresh process under each Keras backend: the test is
 parameterized over the backend, which the process gets as
 `KERAS_BACKEND`, and each parameter carries that backend's marker, so the
-TensorFlow pass of the suite runs the examples on TensorFlow and the JAX
-pass on JAX. Every example program run here runs on both backends
-unchanged (TensorBoard logs are written with TensorFlow's `tf.summary`
-on either). The two that launch a cluster need one backend by nature and
-are tested in files of their own (see `TESTED_ELSEWHERE`).
+TensorFlow pass of the suite runs the examples on TensorFlow, the JAX pass
+on JAX and the PyTorch pass on PyTorch. Every example program run here
+runs on the three backends unchanged (TensorBoard logs are written with
+TensorFlow's `tf.summary` on each). The two that launch a cluster need one
+backend by nature and are tested in files of their own (see
+`TESTED_ELSEWHERE`).
 """
 
 import csv
@@ -33,6 +34,7 @@ BACKENDS = pytest.mark.parametrize(
     [
         pytest.param("tensorflow", marks=pytest.mark.tensorflow),
         pytest.param("jax", marks=pytest.mark.jax),
+        pytest.param("torch", marks=pytest.mark.torch),
     ],
 )
 
@@ -332,6 +334,47 @@ class TestExamples:
         epsilon = printed(output, "epsilon")
         np.testing.assert_allclose(epsilon, ledger.get_epsilon(1e-5), rtol=1e-5)
         assert 0.99 * 20 <= epsilon <= 20, output
+
+    @BACKENDS
+    def test_private_lora_trains_only_adapters_within_the_target_epsilon(
+        self, backend
+    ):
+        """Only the LoRA adapters train; the epsilon printed is
+        dp-accounting's Poisson-sampled epsilon of the steps run at the
+        printed noise, at most the target and within 3% of it; the
+        fine-tuned model is well above chance."""
+        import dp_accounting
+        from dp_accounting import rdp
+
+        output = output_of(
+            "private_lora",
+            backend,
+            "--public_epochs=10",
+            "--epochs=2",
+            "--target_epsilon=3",
+            "--delta=1e-4",
+            "--batch_size=64",
+        )
+        trainable = re.search(r"(?m)^trainable variables: (.*)$", output)
+        names = trainable.group(1).split(", ")
+        assert names and all("lora_kernel" in name for name in names), output
+        examples = int(printed(output, "private examples"))
+        steps = int(printed(output, "steps"))
+        assert steps == 2 * -(-examples // 64), output
+        ledger = rdp.RdpAccountant()
+        ledger.compose(
+            dp_accounting.PoissonSampledDpEvent(
+                64 / examples,
+                dp_accounting.GaussianDpEvent(
+                    printed(output, "noise multiplier")
+                ),
+            ),
+            steps,
+        )
+        epsilon = printed(output, "epsilon")
+        np.testing.assert_allclose(epsilon, ledger.get_epsilon(1e-4), rtol=1e-4)
+        assert 0.97 * 3 <= epsilon <= 3, output
+        assert validation_accuracy(output) > 0.6, output
 
     @BACKENDS
     def test_fine_tune_causal_lm_logs_a_norm_per_decoder_block(self, backend):

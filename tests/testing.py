@@ -13,13 +13,83 @@ from absl.testing import parameterized
 
 BACKEND = keras.backend.backend()
 
-# Named execution modes for `fit`, as Keras' own trainer tests sweep them.
-EXECUTION_MODES = (
-    ("eager", dict(run_eagerly=True)),
-    ("graph_fn", dict(run_eagerly=False, jit_compile=False)),
-    ("jit", dict(run_eagerly=False, jit_compile=True)),
-    ("steps_per_execution", dict(jit_compile=False, steps_per_execution=4)),
+# Named execution modes for `fit`, as Keras' own trainer tests sweep them,
+# the distinct ones of each backend: on JAX, `jit_compile=False` runs the
+# step unjitted, as eager does (so no `graph_fn`), and `steps_per_execution`
+# loops a jitted step; Keras' PyTorch trainer runs eagerly and refuses
+# `steps_per_execution > 1`, and custom_fit refuses `torch.compile`.
+_ALL_MODES = {
+    "eager": dict(run_eagerly=True),
+    "graph_fn": dict(run_eagerly=False, jit_compile=False),
+    "jit": dict(run_eagerly=False, jit_compile=True),
+    "steps_per_execution": dict(jit_compile=False, steps_per_execution=4),
+    "jit_steps_per_execution": dict(jit_compile=True, steps_per_execution=4),
+}
+_MODES_OF = {
+    "tensorflow": ("eager", "graph_fn", "jit", "steps_per_execution"),
+    "jax": ("eager", "jit", "jit_steps_per_execution"),
+    "torch": ("eager",),
+}
+EXECUTION_MODES = tuple((name, _ALL_MODES[name]) for name in _MODES_OF[BACKEND])
+# The modes whose step is compiled (traced), none on PyTorch.
+COMPILED_MODES = tuple(m for m in EXECUTION_MODES if m[0] != "eager")
+# The modes in which a batch-level callback sees every step.
+EVERY_STEP_MODES = tuple(
+    m for m in EXECUTION_MODES if "steps_per_execution" not in m[1]
 )
+
+
+def modes(*names):
+    """Returns the named execution modes, those that run on this backend.
+
+    For a test that sweeps its own list: on PyTorch, where no step is
+    compiled, only `"eager"` and `"graph_fn"` (`jit_compile=False`) run.
+    """
+    if BACKEND == "torch":
+        names = tuple(n for n in names if n in ("eager", "graph_fn"))
+    return tuple((name, _ALL_MODES[name]) for name in names)
+
+
+def _runs_here(value):
+    """False for `compile` arguments this backend cannot run: on PyTorch a
+    compiled step (`jit_compile=True`) or `steps_per_execution > 1`."""
+    if BACKEND != "torch" or not isinstance(value, dict):
+        return True
+    return not (
+        value.get("jit_compile") is True
+        or value.get("steps_per_execution", 1) > 1
+    )
+
+
+def runnable(cases):
+    """Returns the parameterized cases that run on this backend: on PyTorch,
+    those whose `compile` arguments (a dict among a case's values) ask for
+    no compiled step and one step per execution."""
+    return tuple(
+        case
+        for case in cases
+        if all(
+            _runs_here(v)
+            for v in (case.values() if isinstance(case, dict) else case)
+        )
+    )
+
+
+def compiled(**kwargs):
+    """`compile` arguments for a compiled step (`jit_compile=True`) with
+    `kwargs`, on a backend that compiles one; on PyTorch, where the step
+    runs eagerly, `kwargs` without `steps_per_execution` (a case about
+    something else than the mode still runs there)."""
+    if BACKEND == "torch":
+        kwargs.pop("steps_per_execution", None)
+        return kwargs
+    return dict(jit_compile=True, **kwargs)
+
+
+def looped(steps):
+    """`compile` arguments for `steps_per_execution=steps`; on PyTorch,
+    which runs one step per execution, none."""
+    return {} if BACKEND == "torch" else dict(steps_per_execution=steps)
 
 
 class TestCase(parameterized.TestCase):
@@ -88,7 +158,12 @@ def data_parallel():
 @contextlib.contextmanager
 def two_devices():
     """Trains on two devices: MirroredStrategy's scope on TensorFlow,
-    `data_parallel` on JAX."""
+    `data_parallel` on JAX; skips on PyTorch (Keras has no PyTorch
+    distribution)."""
+    if BACKEND == "torch":
+        import pytest
+
+        pytest.skip("Keras has no PyTorch distribution")
     if BACKEND == "tensorflow":
         with mirrored_strategy().scope():
             yield
@@ -196,7 +271,19 @@ def to_numpy(value):
 def tape_gradients(model, x, y, loss_fn):
     """Returns the gradients of `loss_fn` (plus `model.losses`) w.r.t. the
     trainable weights, computed by hand: a plain `tf.GradientTape` on
-    TensorFlow, `jax.grad` of a stateless call on JAX (the oracle)."""
+    TensorFlow, `jax.grad` of a stateless call on JAX, `torch.autograd.grad`
+    on PyTorch (the oracle)."""
+    if BACKEND == "torch":
+        import torch
+
+        with torch.enable_grad():
+            loss = loss_fn(y, model(x, training=True))
+            for extra in model.losses:
+                loss = loss + extra
+            grads = torch.autograd.grad(
+                loss, [v.value for v in model.trainable_variables]
+            )
+        return [g.detach().cpu().numpy() for g in grads]
     if BACKEND == "jax":
         import jax
 
@@ -227,6 +314,75 @@ def tape_gradients(model, x, y, loss_fn):
 
     # Traced: some layers' custom gradients (float8) work in graphs only.
     return [g.numpy() for g in tf.function(gradients)()]
+
+
+def backend_gradients(loss_fn, variables):
+    """Returns the gradients of `loss_fn()` w.r.t. `variables`, taken with
+    the backend's own autodiff (an oracle): a `tf.GradientTape`, `jax.grad`
+    of the function run in a `keras.StatelessScope` on the values, or
+    `torch.autograd.grad`. NumPy arrays; `None` where the loss does not
+    depend on a variable (TensorFlow, PyTorch), zeros there on JAX."""
+    variables = list(variables)
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        with tf.GradientTape() as tape:
+            loss = loss_fn()
+        return [
+            None if g is None else to_numpy(g)
+            for g in tape.gradient(loss, variables)
+        ]
+    if BACKEND == "jax":
+        import jax
+
+        def pure(values):
+            mapping = list(zip(variables, values))
+            with keras.StatelessScope(state_mapping=mapping):
+                return loss_fn()
+
+        grads = jax.grad(pure)([v.value for v in variables])
+        return [np.asarray(g) for g in grads]
+    import torch
+
+    with torch.enable_grad():
+        loss = loss_fn()
+        grads = torch.autograd.grad(
+            loss, [v.value for v in variables], allow_unused=True
+        )
+    return [None if g is None else g.detach().cpu().numpy() for g in grads]
+
+
+def value_and_gradients(loss_of, values):
+    """Returns `loss_of(values)` as a float and its gradients w.r.t.
+    `values`, a list of arrays, taken with the backend's own autodiff (an
+    oracle): a `tf.GradientTape`, `jax.value_and_grad`, or
+    `torch.autograd.grad`; the gradients as NumPy arrays."""
+    if BACKEND == "jax":
+        import jax
+
+        loss, gradients = jax.value_and_grad(loss_of)(
+            [jax.numpy.asarray(v) for v in values]
+        )
+        return float(loss), [np.asarray(g) for g in gradients]
+    if BACKEND == "torch":
+        import torch
+
+        with torch.enable_grad():
+            values = [
+                torch.tensor(np.asarray(v), requires_grad=True) for v in values
+            ]
+            loss = loss_of(values)
+            gradients = torch.autograd.grad(loss, values)
+        return float(loss.detach()), [
+            g.detach().cpu().numpy() for g in gradients
+        ]
+    import tensorflow as tf
+
+    values = [tf.constant(v) for v in values]
+    with tf.GradientTape() as tape:
+        tape.watch(values)
+        loss = loss_of(values)
+    return float(loss), [g.numpy() for g in tape.gradient(loss, values)]
 
 
 def numpy_adaptive_clip(grad, weight, clipping_ratio, eps):
@@ -332,9 +488,9 @@ def numpy_clip(
     return grads
 
 
-# The oldest keras-hub the keras-hub tests and example run with. CI's wheel
-# step has Keras 3.11, under which pip installs an older keras-hub (0.32
-# needs Keras 3.15): those tests skip there, saying so.
+# The oldest keras-hub the keras-hub tests and example run with (0.32
+# needs Keras 3.15); with an older one, or none (the `hub` extra is not
+# installed), those tests skip, saying so.
 KERAS_HUB_MINIMUM = "0.32.0"
 
 
@@ -427,3 +583,110 @@ def run_bounded(script, *flags, timeout=420, env=None):
     if process.returncode != 0:
         raise AssertionError(f"{flags} failed:\n{output[-4000:]}")
     return output
+
+
+def wgan_gp_gradients(
+    model, real, fake, interpolated, gp_weight, l2=0.0, kernels=None
+):
+    """The WGAN-GP critic loss and its gradients w.r.t. the weights, by
+    hand (an oracle): mean(D(fake)) - mean(D(real)) + gp + l2 term, with
+    gp = gp_weight * mean((||dD/dx at interpolated|| - 1)^2) and the l2
+    term `l2` times the sum of squares of the weights flagged in
+    `kernels`. Nested tapes on TensorFlow, nested `jax.grad` of
+    `stateless_call` on JAX, `torch.autograd.grad(create_graph=True)` on
+    PyTorch. Returns `(gradients, gp, l2_term)`."""
+    kernels = kernels or [False] * len(model.trainable_variables)
+    function = {
+        "tensorflow": _wgan_gp_tf,
+        "jax": _wgan_gp_jax,
+        "torch": _wgan_gp_torch,
+    }[BACKEND]
+    grads, gp, l2_term = function(
+        model, real, fake, interpolated, gp_weight, l2, kernels
+    )
+    return [to_numpy(g) for g in grads], float(gp), float(l2_term)
+
+
+def _wgan_gp_tf(model, real, fake, interpolated, gp_weight, l2, kernels):
+    import tensorflow as tf
+
+    interpolated = tf.constant(interpolated)
+    variables = model.trainable_variables
+    with tf.GradientTape() as outer:
+        with tf.GradientTape() as inner:
+            inner.watch(interpolated)
+            score = model(interpolated, training=True)
+        slopes = tf.norm(inner.gradient(score, interpolated), axis=1)
+        gp = gp_weight * tf.reduce_mean(tf.square(slopes - 1.0))
+        l2_term = l2 * sum(
+            tf.reduce_sum(v**2) for v, k in zip(variables, kernels) if k
+        )
+        loss = (
+            tf.reduce_mean(model(fake, training=True))
+            - tf.reduce_mean(model(real, training=True))
+            + gp
+            + l2_term
+        )
+    return outer.gradient(loss, variables), gp, l2_term
+
+
+def _wgan_gp_torch(model, real, fake, interpolated, gp_weight, l2, kernels):
+    import torch
+
+    variables = [v.value for v in model.trainable_variables]
+    with torch.enable_grad():
+        interpolated = torch.tensor(interpolated, requires_grad=True)
+        score = model(interpolated, training=True)
+        (slopes,) = torch.autograd.grad(
+            score.sum(), interpolated, create_graph=True
+        )
+        gp = gp_weight * torch.mean(torch.square(slopes.norm(dim=1) - 1.0))
+        l2_term = l2 * sum(
+            torch.sum(v**2) for v, k in zip(variables, kernels) if k
+        )
+        loss = (
+            torch.mean(model(keras.ops.convert_to_tensor(fake), training=True))
+            - torch.mean(
+                model(keras.ops.convert_to_tensor(real), training=True)
+            )
+            + gp
+            + l2_term
+        )
+        grads = torch.autograd.grad(loss, variables)
+    return grads, gp.detach(), float(torch.as_tensor(l2_term).detach())
+
+
+def _wgan_gp_jax(model, real, fake, interpolated, gp_weight, l2, kernels):
+    import jax
+    import jax.numpy as jnp
+
+    non_trainable = [v.value for v in model.non_trainable_variables]
+
+    def score(weights, x):
+        outputs, _ = model.stateless_call(
+            weights, non_trainable, x, training=True
+        )
+        return outputs
+
+    def loss(weights):
+        # Each score depends on its own sample only: the gradient of their
+        # sum is each sample's input gradient.
+        slopes = jnp.linalg.norm(
+            jax.grad(lambda x: jnp.sum(score(weights, x)))(
+                jnp.asarray(interpolated)
+            ),
+            axis=1,
+        )
+        gp = gp_weight * jnp.mean(jnp.square(slopes - 1.0))
+        l2_term = l2 * sum(jnp.sum(v**2) for v, k in zip(weights, kernels) if k)
+        total = (
+            jnp.mean(score(weights, fake))
+            - jnp.mean(score(weights, real))
+            + gp
+            + l2_term
+        )
+        return total, (gp, l2_term)
+
+    weights = [v.value for v in model.trainable_variables]
+    grads, (gp, l2_term) = jax.grad(loss, has_aux=True)(weights)
+    return grads, gp, l2_term

@@ -189,7 +189,7 @@ class TrainStepParityTest(testing.TestCase):
             dataset = Batches(x, y, 16)
         pair = fit_pair(
             functional_mlp,
-            dict(loss=testing.sparse_crossentropy(), steps_per_execution=3),
+            dict(loss=testing.sparse_crossentropy(), **testing.looped(3)),
             dict(x=dataset, epochs=2, validation_data=dataset),
         )
         self.assertSameTraining(pair)

@@ -222,6 +222,14 @@ class Adapter(Protocol):
         """Raises early for a distribution that `fit` cannot use."""
         ...
 
+    def check_compile(self, jit_compile: Any) -> None:
+        """Raises `ValueError` for a `jit_compile` the step cannot run.
+
+        `jit_compile` is the value `compile` resolved; PyTorch refuses
+        `True` (`torch.compile`).
+        """
+        ...
+
     def make_step_function(
         self,
         model: Any,

@@ -47,6 +47,7 @@ from keras import ops
 
 from custom_fit.backend._dense import all_reduce_sum  # noqa: F401
 from custom_fit.backend._dense import build_batch  # noqa: F401
+from custom_fit.backend._dense import check_compile  # noqa: F401
 from custom_fit.backend._dense import check_recorded_loss  # noqa: F401
 from custom_fit.backend._dense import deduplicate  # noqa: F401
 from custom_fit.backend._dense import dense  # noqa: F401

@@ -1,7 +1,7 @@
 """The PyTorch adapter: eager steps, `torch.autograd`, `torch.func`.
 
 Keras' PyTorch trainer runs the step eagerly (`jit_compile=True` would
-mean `torch.compile`, refused here: see `_check_compile`), statefully: a
+mean `torch.compile`, refused here: see `check_compile`), statefully: a
 variable's value is a `torch.nn.Parameter` that the optimizer updates in
 place. custom_fit keeps the step Keras builds and runs its own
 `train_step` in it, as on TensorFlow:
@@ -344,16 +344,16 @@ def check_strategy() -> None:
     """
     distributed = torch.distributed
     if distributed.is_available() and distributed.is_initialized():
-        processes = distributed.get_world_size()
         raise ValueError(
             "custom_fit cannot train under torch.distributed: Keras has no "
             "PyTorch distribution yet, so each process would train its own "
             "copy of the model on its own data, and no gradient would be "
             "summed across processes. Received: an initialized "
-            f"torch.distributed process group of {processes} "
-            "processes. Train in one process on PyTorch, or use the JAX "
-            "backend (keras.distribution) or TensorFlow (tf.distribute) to "
-            "scale out."
+            "torch.distributed process group of "
+            f"{distributed.get_world_size()} processes. Train in one "
+            "process on PyTorch, or use the JAX backend "
+            "(keras.distribution) or TensorFlow (tf.distribute) to scale "
+            "out."
         )
 
 
@@ -361,19 +361,18 @@ def make_step_function(
     model: Any, kind: str, build_keras_function: Callable[[], Any]
 ) -> Any:
     """Returns Keras' own train or test function: the step is stateful."""
-    del kind
-    _check_compile(model)
+    del model, kind
     return build_keras_function()
 
 
-def _check_compile(model: Any) -> None:
+def check_compile(jit_compile: Any) -> None:
     """Raises for `jit_compile=True`, which means `torch.compile` here.
 
     A custom_fit step under `torch.compile` gave the weights of the eager
     step, but broke into many graphs (each host-read condition is a graph
     break) and ran slower than eager: see BUILD_NOTES, "PyTorch".
     """
-    if getattr(model, "jit_compile", False) is True:
+    if jit_compile is True:
         raise ValueError(
             "custom_fit runs the PyTorch step eagerly: `jit_compile=True` "
             "(torch.compile) splits custom_fit's step into many graphs and "

@@ -107,8 +107,9 @@ class DifferentialPrivacyMixin(TrainStepMixin):
     did not write) per-microbatch gradients are vectorized
     (`tf.vectorized_map` on TensorFlow, `jax.vmap` on JAX, `torch.vmap`);
     on TensorFlow, a model with an op that cannot be vectorized (dropout's
-    random seed, say) is differentiated one microbatch after another
-    instead, with a one-time warning. `clipping_method` chooses; the
+    random seed, say), and on PyTorch (Keras' channels-last Conv2D, say),
+    is differentiated one microbatch after another instead, with a
+    one-time warning. `clipping_method` chooses; the
     model's `per_example_clipping` says which path a step takes, and
     `per_example_clipping_reason` why. On the ghost path each example gets
     its own dropout draw (the batch's forward pass). The noise
@@ -479,9 +480,8 @@ class DifferentialPrivacyMixin(TrainStepMixin):
             self._warn_once(
                 "dp_vectorization",
                 "DifferentialPrivacyMixin: an op of the model cannot be "
-                "vectorized over microbatches (tf.vectorized_map), so their "
-                "gradients are computed one after another (slower, same "
-                "result).",
+                "vectorized over microbatches, so their gradients are "
+                "computed one after another (slower, same result).",
             )
         if scale is not None:
             per_microbatch = [

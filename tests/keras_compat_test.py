@@ -156,7 +156,7 @@ class KerasPrivatesTest(testing.TestCase):
             for i in range(8)
         ]
         self.assertAllClose(
-            total,
+            testing.to_numpy(total),
             sum(testing.to_numpy(v) for e in each for v in e.values()),
             rtol=1e-5,
         )

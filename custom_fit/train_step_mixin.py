@@ -1,7 +1,6 @@
 """`TrainStepMixin`: `train_step` and `test_step` as a pipeline of hooks."""
 
 import dataclasses
-import inspect
 import warnings
 from collections.abc import Callable
 from collections.abc import Sequence
@@ -15,13 +14,12 @@ from keras import ops
 from custom_fit import _gradient_ops
 from custom_fit import _guard
 from custom_fit import _keras_compat
+from custom_fit import _keras_model
 from custom_fit import _layer_groups
 from custom_fit import _model_state
 from custom_fit import _options
 from custom_fit import _per_loss
 from custom_fit import _step_checks
-from custom_fit import _step_functions
-from custom_fit import _step_metrics
 from custom_fit import _validation
 from custom_fit import accumulation
 from custom_fit import backend
@@ -30,7 +28,6 @@ from custom_fit._types import Gradients
 from custom_fit._types import Logs
 from custom_fit._types import Optimizer
 from custom_fit._types import Scalar
-from custom_fit._types import StepFunction
 from custom_fit._types import Tensor
 from custom_fit._types import Variable
 
@@ -79,7 +76,9 @@ else:
     _TrainerHooks = backend.trainer_hooks()
 
 
-class TrainStepMixin(_keras_compat.PrivateOverrides, _TrainerHooks):
+class TrainStepMixin(
+    _keras_model.KerasModel, _keras_compat.PrivateOverrides, _TrainerHooks
+):
     """Base mixin: Keras' training step, split into overridable hooks.
 
     Put it (or any custom_fit mixin, which all derive from it) before the
@@ -272,64 +271,6 @@ class TrainStepMixin(_keras_compat.PrivateOverrides, _TrainerHooks):
         _options.store_options(self, options, dtype)
         state = _model_state.state_of(self)
         state.guard = _guard.Guard(self)
-
-    @property
-    def layers(self) -> list[keras.layers.Layer]:
-        """The model's layers, as in Keras.
-
-        `keras.models.clone_model` of a Sequential subclass is refused
-        here: Keras would return a plain `keras.Sequential`.
-        """
-        _keras_compat.refuse_sequential_clone(self)
-        return super().layers
-
-    @layers.setter
-    def layers(self, value: Any) -> None:
-        # Keras' own setter refuses the name, with its own message.
-        keras_property = _keras_property(self, "layers")
-        if keras_property.fset is None:
-            raise AttributeError("`layers` is reserved. Use another name.")
-        keras_property.fset(self, value)
-
-    @property
-    def jit_compile(self) -> Any:
-        """Whether the step is compiled, as in Keras (set by `compile`)."""
-        return _keras_property(self, "jit_compile").__get__(self)
-
-    @jit_compile.setter
-    def jit_compile(self, value: Any) -> None:
-        # Set by `compile` (not overridden: Keras would then not compile a
-        # loaded model); a setting the backend's step cannot run is
-        # refused here (PyTorch's `torch.compile`).
-        _keras_property(self, "jit_compile").__set__(self, value)
-        backend.current().check_compile(self.jit_compile)
-
-    def compile_from_config(self, config: dict[str, Any]) -> None:
-        """Compiles a loaded model from its saved compile configuration.
-
-        As in Keras, except for one setting. The configuration holds
-        `jit_compile` as the saving backend resolved it: `"auto"` becomes
-        `True` on JAX and TensorFlow. Where this backend refuses that value
-        (PyTorch, whose `True` means `torch.compile`), the model is compiled
-        with `"auto"` instead, with a warning; a `jit_compile=True` passed
-        to `compile` by hand is still refused.
-
-        Args:
-            config: The dict that `get_compile_config()` returned.
-        """
-        jit_compile = config.get("jit_compile")
-        try:
-            backend.current().check_compile(jit_compile)
-        except ValueError as error:
-            warnings.warn(
-                f"The saved compile configuration has "
-                f"jit_compile={jit_compile!r}, as the backend it was saved "
-                f"under resolved it; compiling with jit_compile='auto'. "
-                f"{error}",
-                stacklevel=2,
-            )
-            config = {**config, "jit_compile": "auto"}
-        super().compile_from_config(config)
 
     # Hooks, in the order `train_step` calls them.
 
@@ -875,7 +816,7 @@ class TrainStepMixin(_keras_compat.PrivateOverrides, _TrainerHooks):
             A dict of metric results, as `keras.Model.train_step` returns.
         """
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        before = _model_state.state_of(self).guard.keep(super().metrics)
+        before = _model_state.state_of(self).guard.keep(self._keras_metrics())
 
         def loss_function() -> tuple[Any, Any]:
             y_pred = self.forward_pass(x, training=True)
@@ -1029,98 +970,6 @@ class TrainStepMixin(_keras_compat.PrivateOverrides, _TrainerHooks):
             self, name, value, sample_weight, reduction, held
         )
 
-    @property
-    def metrics(self) -> list[keras.metrics.Metric]:
-        """The model's metrics, then those of `report_metric`.
-
-        Those of `report_metric` include the ones reported by custom_fit
-        networks inside this model (see `minimize`).
-        """
-        return super().metrics + _step_metrics.reported(self._registries())
-
-    def get_metrics_result(self) -> Logs:
-        """Returns the metric results, as Keras' `get_metrics_result`.
-
-        Inside a train (test) step, metrics of `report_metric` that only the
-        test (train) step reports are left out, so that training logs carry
-        no `val_` figure and the other way round. So is Keras' `loss` when
-        the model was compiled without a loss and the step does not track
-        one (a GAN whose `train_step` reports its own losses).
-
-        Returns:
-            A dict of metric name to result.
-
-        Raises:
-            ValueError: If a reported metric has the name of one of the
-                metrics Keras logs (it would replace it).
-        """
-        return _step_metrics.step_logs(
-            self,
-            super().metrics,
-            self._registries(),
-            tracks_loss=getattr(self, "loss", None) is not None,
-        )
-
-    def _registries(self) -> list[_step_metrics.StepMetrics]:
-        """The `report_metric` registries of this model and its networks."""
-        return [
-            _model_state.state_of(model).metrics
-            for model in _model_state.models_in(self)
-        ]
-
-    def fit(self, *args: Any, **kwargs: Any) -> Any:
-        """Trains the model: `keras.Model.fit`, with the same arguments.
-
-        Each call starts a new count of consecutive skipped steps for
-        `max_consecutive_skipped_steps`: a `fit` stopped by the limit does
-        not stop the next one.
-
-        Returns:
-            A `History` object, as `keras.Model.fit` returns.
-        """
-        for model in _model_state.models_in(self):
-            _model_state.state_of(model).guard.restart()
-        return super().fit(*args, **kwargs)
-
-    def make_train_function(self, force: bool = False) -> StepFunction:
-        """Builds the train function (see `custom_fit._step_functions`).
-
-        Args:
-            force: Bool. Rebuild even if a train function exists.
-
-        Returns:
-            The train function.
-        """
-        if getattr(self, "train_function", None) is None or force:
-            self.train_function = _step_functions.make(
-                self, "train", lambda: self._keras_function("train", force)
-            )
-        return self.train_function
-
-    def make_test_function(self, force: bool = False) -> StepFunction:
-        """Builds the test function (see `custom_fit._step_functions`).
-
-        Args:
-            force: Bool. Rebuild even if a test function exists.
-
-        Returns:
-            The test function.
-        """
-        if getattr(self, "test_function", None) is None or force:
-            self.test_function = _step_functions.make(
-                self, "test", lambda: self._keras_function("test", force)
-            )
-        return self.test_function
-
-    def _keras_function(self, kind: str, force: bool) -> StepFunction:
-        """Returns Keras' own train (or test) function, built by Keras."""
-        trainer: Any = super()
-        if kind == "train":
-            trainer.make_train_function(force=force)
-            return self.train_function
-        trainer.make_test_function(force=force)
-        return self.test_function
-
     def _warn_once(self, key: str, message: str) -> None:
         """Emits `message` as a `UserWarning` once per model and `key`."""
         warned = _model_state.state_of(self).warned
@@ -1128,66 +977,6 @@ class TrainStepMixin(_keras_compat.PrivateOverrides, _TrainerHooks):
             return
         warned.add(key)
         warnings.warn(message, UserWarning, stacklevel=3)
-
-    # Serialization.
-
-    def get_config(self) -> dict[str, Any]:
-        """Returns the model config plus every mixin keyword.
-
-        Returns:
-            A dict: the Keras model config, updated with one entry per mixin
-            keyword (the constructor argument names).
-        """
-        config = super().get_config()
-        config.update(
-            {
-                name: _options.to_config(getattr(self, name))
-                for name in _options.declared_options(type(self))
-            }
-        )
-        return config
-
-    @classmethod
-    def from_config(
-        cls: type[_Model],
-        config: dict[str, Any],
-        custom_objects: dict[str, Any] | None = None,
-    ) -> _Model:
-        """Rebuilds a model from `get_config()`, mixin keywords included.
-
-        Keras' `Sequential.from_config` drops unknown keys, so the mixin
-        keywords are taken out and handed to the constructor that Keras'
-        `from_config` calls. `custom_objects` goes to that `from_config`
-        when it takes the argument (Keras' models do); for one that does
-        not (a keras-hub `Task`), they are in scope while it runs.
-
-        Args:
-            config: Dict returned by `get_config()`.
-            custom_objects: Optional dict of custom objects.
-
-        Returns:
-            The model.
-        """
-        config = dict(config)
-        options = {
-            name: _options.from_config(value)
-            for name, value in _options.pop_options(cls, config).items()
-        }
-        parent_from_config = super().from_config
-        with _options.pending(cls, options) as held:
-            if custom_objects is None:
-                model = parent_from_config(config)
-            elif _takes_keyword(parent_from_config, "custom_objects"):
-                model = parent_from_config(
-                    config, custom_objects=custom_objects
-                )
-            else:
-                with keras.saving.custom_object_scope(custom_objects):
-                    model = parent_from_config(config)
-        if not held.taken:
-            # Keras built the model some other way: apply them afterwards.
-            model._configure_options(options)
-        return model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1208,26 +997,3 @@ class _Update:
     aux: Any
     applied: Tensor | None
     counted: Tensor | None
-
-
-def _keras_property(model: Any, name: str) -> property:
-    """Returns Keras' property `name` of the model's class (after the mixin).
-
-    Raises:
-        AttributeError: If no class after `TrainStepMixin` defines one.
-    """
-    mro = type(model).__mro__
-    for klass in mro[mro.index(TrainStepMixin) + 1 :]:
-        found = vars(klass).get(name)
-        if isinstance(found, property):
-            return found
-    raise AttributeError(f"No Keras property {name!r} on {type(model)}.")
-
-
-def _takes_keyword(function: Callable[..., Any], name: str) -> bool:
-    """Returns whether `function` accepts the keyword argument `name`."""
-    parameters = inspect.signature(function).parameters.values()
-    return any(
-        p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD
-        for p in parameters
-    )

@@ -6,6 +6,8 @@ The suite runs once per backend (`KERAS_BACKEND=tensorflow`, `jax`, then
 """
 
 import os
+import shutil
+import tempfile
 
 import pytest
 
@@ -24,6 +26,16 @@ elif BACKEND == "jax":
         os.environ.get("XLA_FLAGS", "")
         + " --xla_force_host_platform_device_count=2"
     ).strip()
+    # Many tests compile the same small steps: JAX's persistent compilation
+    # cache, in a directory of this run only (made by the first pytest
+    # process, inherited by its xdist workers and by the programs tests
+    # start, removed at the end), compiles each once per run. Measured on
+    # tests/guarded_accumulation_test.py: 143 s of CPU without, 92 s with.
+    if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+        _JAX_CACHE = tempfile.mkdtemp(prefix="custom_fit_jax_cache_")
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = _JAX_CACHE
+        os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+        os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 else:
     import tensorflow as tf
 
@@ -45,6 +57,13 @@ def pytest_configure(config):
         config.addinivalue_line(
             "markers", f"{name}: runs only with KERAS_BACKEND={name}"
         )
+
+
+def pytest_unconfigure(config):
+    del config
+    cache = globals().get("_JAX_CACHE")
+    if cache is not None:  # only in the process that made it
+        shutil.rmtree(cache, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -14,10 +14,14 @@ from absl.testing import parameterized
 BACKEND = keras.backend.backend()
 
 # Named execution modes for `fit`, as Keras' own trainer tests sweep them,
-# the distinct ones of each backend: on JAX, `jit_compile=False` runs the
-# step unjitted, as eager does (so no `graph_fn`), and `steps_per_execution`
-# loops a jitted step; Keras' PyTorch trainer runs eagerly and refuses
-# `steps_per_execution > 1`, and custom_fit refuses `torch.compile`.
+# the distinct ones of each backend: on TensorFlow, eager, a `tf.function`
+# and an XLA-compiled loop of several steps (`jit_compile` and
+# `steps_per_execution > 1` in one mode: the loop is traced as the single
+# step is, so one mode proves both and keeps the suite within its time);
+# on JAX, `jit_compile=False` runs the step unjitted, as eager does (so no
+# `graph_fn`), and `steps_per_execution` loops a jitted step; Keras'
+# PyTorch trainer runs eagerly and refuses `steps_per_execution > 1`, and
+# custom_fit refuses `torch.compile`.
 _ALL_MODES = {
     "eager": dict(run_eagerly=True),
     "graph_fn": dict(run_eagerly=False, jit_compile=False),
@@ -26,7 +30,7 @@ _ALL_MODES = {
     "jit_steps_per_execution": dict(jit_compile=True, steps_per_execution=4),
 }
 _MODES_OF = {
-    "tensorflow": ("eager", "graph_fn", "jit", "steps_per_execution"),
+    "tensorflow": ("eager", "graph_fn", "jit_steps_per_execution"),
     "jax": ("eager", "jit", "jit_steps_per_execution"),
     "torch": ("eager",),
 }

@@ -1,0 +1,285 @@
+"""Where a custom_fit model meets `keras.Model`: its public surface.
+
+`TrainStepMixin` inherits this class first. It holds what a Keras user
+calls on any model and what Keras' own loop and saving call: the `layers`
+and `jit_compile` properties, `compile_from_config`, `metrics` and
+`get_metrics_result` (with the figures of `report_metric`), `fit` (a new
+count of consecutive skipped steps per call), the train and test functions
+(`custom_fit._step_functions`), and `get_config`/`from_config` (the mixin
+keywords). The step itself, its hooks and `minimize` are in
+`train_step_mixin.py`.
+"""
+
+import inspect
+import warnings
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+from typing import Any
+from typing import TypeVar
+
+import keras
+
+from custom_fit import _keras_compat
+from custom_fit import _model_state
+from custom_fit import _options
+from custom_fit import _step_functions
+from custom_fit import _step_metrics
+from custom_fit import backend
+from custom_fit._types import Logs
+from custom_fit._types import StepFunction
+
+_Model = TypeVar("_Model", bound="KerasModel")
+
+if TYPE_CHECKING:
+    # Used before a Keras model class: type checkers see its attributes
+    # through this base; at run time it is `object`.
+    from keras import Model as _ModelBase
+else:
+    _ModelBase = object
+
+
+class KerasModel(_ModelBase):
+    """The `keras.Model` methods a custom_fit model overrides.
+
+    A base of `TrainStepMixin` (not for direct use): every method defers to
+    Keras (`super()`) and adds what custom_fit needs.
+    """
+
+    @property
+    def layers(self) -> list[keras.layers.Layer]:
+        """The model's layers, as in Keras.
+
+        `keras.models.clone_model` of a Sequential subclass is refused
+        here: Keras would return a plain `keras.Sequential`.
+        """
+        _keras_compat.refuse_sequential_clone(self)
+        return super().layers
+
+    @layers.setter
+    def layers(self, value: Any) -> None:
+        # Keras' own setter refuses the name, with its own message.
+        keras_property = _keras_property(self, "layers")
+        if keras_property.fset is None:
+            raise AttributeError("`layers` is reserved. Use another name.")
+        keras_property.fset(self, value)
+
+    @property
+    def jit_compile(self) -> Any:
+        """Whether the step is compiled, as in Keras (set by `compile`)."""
+        return _keras_property(self, "jit_compile").__get__(self)
+
+    @jit_compile.setter
+    def jit_compile(self, value: Any) -> None:
+        # Set by `compile` (not overridden: Keras would then not compile a
+        # loaded model); a setting the backend's step cannot run is
+        # refused here (PyTorch's `torch.compile`).
+        _keras_property(self, "jit_compile").__set__(self, value)
+        backend.current().check_compile(self.jit_compile)
+
+    def compile_from_config(self, config: dict[str, Any]) -> None:
+        """Compiles a loaded model from its saved compile configuration.
+
+        As in Keras, except for one setting. The configuration holds
+        `jit_compile` as the saving backend resolved it: `"auto"` becomes
+        `True` on JAX and TensorFlow. Where this backend refuses that value
+        (PyTorch, whose `True` means `torch.compile`), the model is compiled
+        with `"auto"` instead, with a warning; a `jit_compile=True` passed
+        to `compile` by hand is still refused.
+
+        Args:
+            config: The dict that `get_compile_config()` returned.
+        """
+        jit_compile = config.get("jit_compile")
+        try:
+            backend.current().check_compile(jit_compile)
+        except ValueError as error:
+            warnings.warn(
+                f"The saved compile configuration has "
+                f"jit_compile={jit_compile!r}, as the backend it was saved "
+                f"under resolved it; compiling with jit_compile='auto'. "
+                f"{error}",
+                stacklevel=2,
+            )
+            config = {**config, "jit_compile": "auto"}
+        super().compile_from_config(config)
+
+    @property
+    def metrics(self) -> list[keras.metrics.Metric]:
+        """The model's metrics, then those of `report_metric`.
+
+        Those of `report_metric` include the ones reported by custom_fit
+        networks inside this model (see `minimize`).
+        """
+        return self._keras_metrics() + _step_metrics.reported(
+            self._registries()
+        )
+
+    def _keras_metrics(self) -> list[keras.metrics.Metric]:
+        """Keras' own metrics of the model, without those of `report_metric`."""
+        return super().metrics
+
+    def get_metrics_result(self) -> Logs:
+        """Returns the metric results, as Keras' `get_metrics_result`.
+
+        Inside a train (test) step, metrics of `report_metric` that only the
+        test (train) step reports are left out, so that training logs carry
+        no `val_` figure and the other way round. So is Keras' `loss` when
+        the model was compiled without a loss and the step does not track
+        one (a GAN whose `train_step` reports its own losses).
+
+        Returns:
+            A dict of metric name to result.
+
+        Raises:
+            ValueError: If a reported metric has the name of one of the
+                metrics Keras logs (it would replace it).
+        """
+        return _step_metrics.step_logs(
+            self,
+            self._keras_metrics(),
+            self._registries(),
+            tracks_loss=getattr(self, "loss", None) is not None,
+        )
+
+    def _registries(self) -> list[_step_metrics.StepMetrics]:
+        """The `report_metric` registries of this model and its networks."""
+        return [
+            _model_state.state_of(model).metrics
+            for model in _model_state.models_in(self)
+        ]
+
+    def fit(self, *args: Any, **kwargs: Any) -> Any:
+        """Trains the model: `keras.Model.fit`, with the same arguments.
+
+        Each call starts a new count of consecutive skipped steps for
+        `max_consecutive_skipped_steps`: a `fit` stopped by the limit does
+        not stop the next one.
+
+        Returns:
+            A `History` object, as `keras.Model.fit` returns.
+        """
+        for model in _model_state.models_in(self):
+            _model_state.state_of(model).guard.restart()
+        return super().fit(*args, **kwargs)
+
+    def make_train_function(self, force: bool = False) -> StepFunction:
+        """Builds the train function (see `custom_fit._step_functions`).
+
+        Args:
+            force: Bool. Rebuild even if a train function exists.
+
+        Returns:
+            The train function.
+        """
+        if getattr(self, "train_function", None) is None or force:
+            self.train_function = _step_functions.make(
+                self, "train", lambda: self._keras_function("train", force)
+            )
+        return self.train_function
+
+    def make_test_function(self, force: bool = False) -> StepFunction:
+        """Builds the test function (see `custom_fit._step_functions`).
+
+        Args:
+            force: Bool. Rebuild even if a test function exists.
+
+        Returns:
+            The test function.
+        """
+        if getattr(self, "test_function", None) is None or force:
+            self.test_function = _step_functions.make(
+                self, "test", lambda: self._keras_function("test", force)
+            )
+        return self.test_function
+
+    def _keras_function(self, kind: str, force: bool) -> StepFunction:
+        """Returns Keras' own train (or test) function, built by Keras."""
+        trainer: Any = super()
+        if kind == "train":
+            trainer.make_train_function(force=force)
+            return self.train_function
+        trainer.make_test_function(force=force)
+        return self.test_function
+
+    # Serialization.
+
+    def get_config(self) -> dict[str, Any]:
+        """Returns the model config plus every mixin keyword.
+
+        Returns:
+            A dict: the Keras model config, updated with one entry per mixin
+            keyword (the constructor argument names).
+        """
+        config = super().get_config()
+        config.update(
+            {
+                name: _options.to_config(getattr(self, name))
+                for name in _options.declared_options(type(self))
+            }
+        )
+        return config
+
+    @classmethod
+    def from_config(
+        cls: type[_Model],
+        config: dict[str, Any],
+        custom_objects: dict[str, Any] | None = None,
+    ) -> _Model:
+        """Rebuilds a model from `get_config()`, mixin keywords included.
+
+        Keras' `Sequential.from_config` drops unknown keys, so the mixin
+        keywords are taken out and handed to the constructor that Keras'
+        `from_config` calls. `custom_objects` goes to that `from_config`
+        when it takes the argument (Keras' models do); for one that does
+        not (a keras-hub `Task`), they are in scope while it runs.
+
+        Args:
+            config: Dict returned by `get_config()`.
+            custom_objects: Optional dict of custom objects.
+
+        Returns:
+            The model.
+        """
+        config = dict(config)
+        options = {
+            name: _options.from_config(value)
+            for name, value in _options.pop_options(cls, config).items()
+        }
+        parent_from_config = super().from_config
+        with _options.pending(cls, options) as held:
+            if custom_objects is None:
+                model = parent_from_config(config)
+            elif _takes_keyword(parent_from_config, "custom_objects"):
+                model = parent_from_config(
+                    config, custom_objects=custom_objects
+                )
+            else:
+                with keras.saving.custom_object_scope(custom_objects):
+                    model = parent_from_config(config)
+        if not held.taken:
+            # Keras built the model some other way: apply them afterwards.
+            model._configure_options(options)
+        return model
+
+
+def _keras_property(model: Any, name: str) -> property:
+    """Returns Keras' property `name` of the model's class (after ours).
+
+    Raises:
+        AttributeError: If no class after `KerasModel` defines one.
+    """
+    mro = type(model).__mro__
+    for klass in mro[mro.index(KerasModel) + 1 :]:
+        found = vars(klass).get(name)
+        if isinstance(found, property):
+            return found
+    raise AttributeError(f"No Keras property {name!r} on {type(model)}.")
+
+
+def _takes_keyword(function: Callable[..., Any], name: str) -> bool:
+    """Returns whether `function` accepts the keyword argument `name`."""
+    parameters = inspect.signature(function).parameters.values()
+    return any(
+        p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD
+        for p in parameters
+    )

@@ -31,13 +31,17 @@ is eager (custom_fit refuses `torch.compile`, Keras `steps_per_execution >
 
 Workloads (synthetic data made here): `mlp`, the examples' MLP 784-64-64-10 at
 batch 64 (overhead-bound); `cnn`, a small CNN on 28x28x1 at batch 128
-(compute-bound). Baselines beside `fit`: Keras' optimizer-level
+(compute-bound); `tokens`, a small transformer-ish model on sequences of 32
+tokens at batch 64 (Embedding 1000x64, one multi-head attention, a Dense on
+every token, mean, logits). Baselines beside `fit`: Keras' optimizer-level
 `global_clipnorm`; Keras with the regularization configuration's penalties
 written by hand in `compute_loss`; a hand-written step called from a
 Python loop (on TensorFlow a `tf.function` GradientTape step, and the same
 step run eagerly with fewer steps; on JAX a jitted stateless step).
-The `private` configurations (DP-SGD: per-example, and 8 microbatches)
-show what per-example gradients cost, and with `--memory` what they hold.
+The `private` configurations (DP-SGD: per-example gradients, vectorized;
+the same clip by ghost clipping, `private_ghost`, which needs none; and 8
+microbatches) show what per-example clipping costs, and with `--memory` what
+it holds.
 
 CPU time is the primary figure. The machine this was written on is a 2-core
 VM with neighbours: the same configuration's time moves by 10-20% from one
@@ -71,7 +75,7 @@ _STEPS = flags.DEFINE_integer(
     "steps", 0, "Training steps per round; 0 uses the workload's default."
 )
 _WORKLOADS = flags.DEFINE_list(
-    "workloads", ["mlp", "cnn", "mlp_two_heads"], "Workloads."
+    "workloads", ["mlp", "cnn", "tokens", "mlp_two_heads"], "Workloads."
 )
 _STEPS_PER_EXECUTION = flags.DEFINE_list(
     "steps_per_execution", ["1", "32"], "steps_per_execution values."
@@ -200,10 +204,20 @@ FIT_CONFIGURATIONS = {
     # Two-headed workload only: one backward pass per head, summed.
     "per_loss_sum": (StepMixinModel, {"per_loss_gradients": "outputs"}, {}),
     "pcgrad": (PCGradModel, {"pcgrad_seed": 0}, {}),
-    # DP-SGD: one gradient per example (vectorized), then per group of
-    # batch / 8 consecutive examples. Not a target: the per-example
-    # gradients are the cost of the guarantee.
-    "private": (PrivateModel, _PRIVATE, {}),
+    # DP-SGD: one gradient per example (vectorized), the same clip from
+    # each layer's inputs and output gradients (ghost clipping: no
+    # per-example gradient), then per group of batch / 8 consecutive
+    # examples.
+    "private": (
+        PrivateModel,
+        {**_PRIVATE, "clipping_method": "vectorized"},
+        {},
+    ),
+    "private_ghost": (
+        PrivateModel,
+        {**_PRIVATE, "clipping_method": "ghost"},
+        {},
+    ),
     "private_8_microbatches": (
         PrivateModel,
         {**_PRIVATE, "num_microbatches": 8},
@@ -221,6 +235,18 @@ LOOP_CONFIGURATIONS = {
     "jax": ("jax_jit_loop",),
     "torch": ("torch_loop",),
 }
+
+# Token ids of the `tokens` workload.
+_VOCABULARY = 1000
+_TOKEN_WORKLOADS = ("tokens",)
+
+
+class _SelfAttention:
+    """Builds `MultiHeadAttention(4, 16)` of a sequence with itself."""
+
+    def __call__(self, x):
+        return keras.layers.MultiHeadAttention(4, 16)(x, x)
+
 
 WORKLOADS = {
     # name -> (input shape, batch size, layer factory, steps per round)
@@ -247,6 +273,20 @@ WORKLOADS = {
         ],
         24,
     ),
+    # Token ids in, as a language model's: Embedding, self-attention, a
+    # Dense on every token (positions T = 32 for ghost clipping).
+    "tokens": (
+        (32,),
+        64,
+        lambda: [
+            keras.layers.Embedding(_VOCABULARY, 64),
+            _SelfAttention(),
+            keras.layers.Dense(64, activation="relu"),
+            keras.layers.GlobalAveragePooling1D(),
+            keras.layers.Dense(10),
+        ],
+        64,
+    ),
     # The MLP with two heads of 10 classes: the multi-task case (PCGrad).
     "mlp_two_heads": (
         (784,),
@@ -264,7 +304,8 @@ def network(workload, model_class=keras.Model, **kwargs):
     """Returns the workload's network as a `model_class` instance."""
     shape, _, layers, _ = WORKLOADS[workload]
     keras.utils.set_random_seed(0)
-    inputs = keras.Input(shape)
+    dtype = "int32" if workload in _TOKEN_WORKLOADS else "float32"
+    inputs = keras.Input(shape, dtype=dtype)
     x = inputs
     for layer in layers():
         x = layer(x)
@@ -320,7 +361,11 @@ def dataset(workload, steps):
     """Returns synthetic `(x, y)` arrays of `steps` batches."""
     shape, batch_size, _, _ = WORKLOADS[workload]
     rng = np.random.RandomState(0)
-    x = rng.rand(batch_size * steps, *shape).astype("float32")
+    if workload in _TOKEN_WORKLOADS:
+        x = rng.randint(0, _VOCABULARY, size=(batch_size * steps, *shape))
+        x = x.astype("int32")
+    else:
+        x = rng.rand(batch_size * steps, *shape).astype("float32")
     y = rng.randint(0, 10, size=batch_size * steps)
     if workload == _MULTI_OUTPUT_WORKLOAD:
         y = {"a": y, "b": rng.randint(0, 10, size=batch_size * steps)}
@@ -836,6 +881,8 @@ TARGETS = {
     "inspection_every_step": {"mlp": 1.10, "cnn": 1.05},
     "clipping_inspection": {"mlp": 1.15, "cnn": 1.15},
     "stacked": {"mlp": 1.15, "cnn": 1.15},
+    # Issue 20: per-example DP-SGD where ghost clipping applies.
+    "private_ghost": {"mlp": 2.0, "cnn": 2.0, "tokens": 2.0},
 }
 # Where a backend's target differs (issue 19: clipping and inspection
 # within 1.10 of plain Keras on JAX, 1.15 on TensorFlow and PyTorch).

@@ -7,6 +7,7 @@ overridable hooks, and the gradient math they use as pure functions.
 from custom_fit import accumulation
 from custom_fit import callbacks
 from custom_fit import clipping
+from custom_fit import ghost
 from custom_fit import inspection
 from custom_fit import pcgrad
 from custom_fit import pipeline
@@ -39,6 +40,7 @@ __all__ = [
     "accumulation",
     "callbacks",
     "clipping",
+    "ghost",
     "inspection",
     "pcgrad",
     "pipeline",

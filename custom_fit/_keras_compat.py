@@ -167,9 +167,102 @@ def per_output_losses(
         A dict of output name to scalar loss (empty without a compiled
         loss).
     """
+    return {
+        name: value
+        for name, _, value, _ in _output_losses(model, y, y_pred, sample_weight)
+    }
+
+
+def summed_example_losses(
+    model: keras.Model, y: Any, y_pred: Any, sample_weight: Any
+) -> tuple[Any, str]:
+    """Returns the sum over the batch of each example's compiled loss.
+
+    Each example's loss is what `per_output_losses` gives for a batch of
+    that example alone (times the replica count, as
+    `DifferentialPrivacyMixin` counts it). Keras' reductions are linear in
+    the examples' weighted losses: the sum is the batch's loss times the
+    batch size for `"sum_over_batch_size"` and `"mean"` (a sum over the
+    loss's values divided by their count) and times 1 for `"sum"`, read
+    from each compiled `Loss`'s `reduction`. Not for
+    `"mean_with_sample_weight"` with sample weights, a reduction of
+    `None`, a loss whose values (`Loss.call`) are one number per batch
+    (`keras.losses.Dice` without an `axis`), or a custom loss function
+    or class, which could be either, or mix the examples.
+
+    Args:
+        model: A compiled model, its `compute_loss` run in this step.
+        y: The targets of the batch.
+        y_pred: The predictions.
+        sample_weight: The sample weights, or `None`.
+
+    Returns:
+        A tuple `(sum, problem)`: a scalar, or `None` with a sentence
+        saying which loss is not linear in the examples.
+    """
+    total = None
+    for name, loss, value, pair in _output_losses(
+        model, y, y_pred, sample_weight
+    ):
+        reduction = getattr(loss, "reduction", "sum_over_batch_size")
+        if reduction not in ("sum", "sum_over_batch_size", "mean") and not (
+            reduction == "mean_with_sample_weight" and sample_weight is None
+        ):
+            return None, (
+                f"the loss of the output {name!r} has the reduction "
+                f"{reduction!r}, which is not a sum of per-example losses"
+            )
+        if not _per_example_values(loss):
+            return None, (
+                f"the loss of the output {name!r} is a custom function or "
+                "class, whose values may be one number per batch"
+            )
+        if len(_unreduced(loss, pair).shape) == 0:
+            return None, (
+                f"the loss of the output {name!r} ({type(loss).__name__}) "
+                "computes one number for the whole batch, not one per "
+                "example"
+            )
+        if reduction != "sum":
+            value = value * batch_size(y_pred, "float32")
+        total = value if total is None else total + value
+    if total is None:
+        return None, "the model has no compiled loss"
+    return total, ""
+
+
+def _unreduced(loss: Any, pair: tuple[Any, Any]) -> Any:
+    """Returns a compiled loss's values before its reduction.
+
+    As its `__call__` computes them: `Loss.call` on tensors of its dtype.
+    """
+    y_true, y_pred = (
+        keras.tree.map_structure(
+            lambda t: ops.convert_to_tensor(t, dtype=loss.dtype), part
+        )
+        for part in pair
+    )
+    return loss.call(y_true, y_pred)
+
+
+def _per_example_values(loss: Any) -> bool:
+    """Whether a compiled loss is one of Keras' own (one value per entry).
+
+    `LossFunctionWrapper` (`Loss.call` of a function) wraps Keras' loss
+    functions and users' alike: its `fn` tells them apart.
+    """
+    function = getattr(loss, "fn", None) or type(loss)
+    module = getattr(function, "__module__", "") or ""
+    return module.startswith("keras.")
+
+
+def _output_losses(
+    model: keras.Model, y: Any, y_pred: Any, sample_weight: Any
+) -> list[tuple[str, Any, Any, tuple[Any, Any]]]:
+    """Returns `(name, loss, weighted value, (y_true, y_pred))` per output."""
     compile_loss = getattr(model, "_compile_loss", None)
     if compile_loss is None:
-        return {}
+        return []
     flat = keras.tree.flatten
     if keras.tree.is_nested(y_pred) or keras.tree.is_nested(y):
         y_pred = keras.tree.pack_sequence_as(
@@ -184,18 +277,26 @@ def per_output_losses(
             value = value[key]
         return value
 
-    losses = {}
+    losses = []
     for path, loss, weight, name in compile_loss._flat_losses:
         weights = sample_weight
         if sample_weight is not None and keras.tree.is_nested(sample_weight):
             weights = at(path, sample_weight)
-        value = ops.cast(
-            loss(at(path, y), at(path, y_pred), weights), "float32"
-        )
+        pair = (at(path, y), at(path, y_pred))
+        value = ops.cast(loss(*pair, weights), "float32")
         if weight is not None:
             value = value * weight
-        losses[name] = value
+        losses.append((name, loss, value, pair))
     return losses
+
+
+def all_layers(layer: Any) -> list[Any]:
+    """Returns every layer inside `layer`, at any depth, without it.
+
+    `Layer._flatten_layers` walks the layers Keras tracks as attributes
+    (those of a custom layer too, which `model.layers` does not list).
+    """
+    return list(layer._flatten_layers(include_self=False, recursive=True))
 
 
 def optimizer_trainable_variables(optimizer: Any) -> list[Any]:

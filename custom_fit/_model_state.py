@@ -53,6 +53,9 @@ class ModelState:
         # count of private steps run.
         self.dp_seeds: Any = None
         self.dp_steps: Any = None
+        # Why ghost clipping turned out impossible at a step ("": it did
+        # not), found in the traced pass (a loss added in a layer's call).
+        self.dp_ghost_blocker = ""
 
 
 def state_of(model: Any) -> ModelState:

@@ -82,11 +82,7 @@ def clip_and_sum(
     squares = [_gradient_ops.squared_sums_per_slice(g) for g in gradients]
     norms = ops.sqrt(ops.sum(ops.stack(squares), axis=0))
     finite = ops.isfinite(norms)
-    factors = ops.where(
-        finite, ops.minimum(1.0, l2_norm_clip / ops.maximum(norms, 1e-30)), 0.0
-    )
-    if mask is not None:
-        factors = factors * ops.cast(mask, factors.dtype)
+    factors = clip_factors(norms, l2_norm_clip, mask)
     # A zero factor is not enough: 0 * NaN is NaN. The gradients of a
     # non-finite microbatch are replaced by zeros before the sum.
     gradients = [ops.where(_per_row(finite, g), g, 0.0) for g in gradients]
@@ -97,6 +93,37 @@ def clip_and_sum(
     # 7.6 ms with the contraction).
     sums = [ops.tensordot(factors, g, axes=1) for g in gradients]
     return sums, norms
+
+
+def clip_factors(norms: Tensor, l2_norm_clip: Any, mask: Any = None) -> Tensor:
+    """Returns the factor that clips each microbatch's gradient.
+
+    `min(1, l2_norm_clip / norm)`; 0 for a norm that is not finite (its
+    gradient counts as zero) and where `mask` is false.
+
+    Args:
+        norms: Float vector, each microbatch's gradient norm.
+        l2_norm_clip: Positive float or scalar tensor, the bound.
+        mask: Boolean vector or `None`, as in `clip_and_sum`.
+
+    Returns:
+        A float vector of the norms' dtype.
+
+    Example:
+
+    ```python
+    >>> ops.convert_to_numpy(clip_factors(np.array([4.0, 0.5, np.nan]), 2.0))
+    array([0.5, 1. , 0. ])
+    ```
+    """
+    factors = ops.where(
+        ops.isfinite(norms),
+        ops.minimum(1.0, l2_norm_clip / ops.maximum(norms, 1e-30)),
+        0.0,
+    )
+    if mask is not None:
+        factors = factors * ops.cast(mask, factors.dtype)
+    return factors
 
 
 def _per_row(flags: Tensor, tensor: Tensor) -> Tensor:

@@ -7,6 +7,7 @@ from typing import Any
 import keras
 from keras import ops
 
+from custom_fit import _ghost_layers
 from custom_fit import _gradient_ops
 from custom_fit import _keras_compat
 from custom_fit import _model_state
@@ -14,6 +15,7 @@ from custom_fit import _options
 from custom_fit import _state
 from custom_fit import _validation
 from custom_fit import backend
+from custom_fit import ghost
 from custom_fit import pipeline
 from custom_fit import privacy
 from custom_fit._types import Gradients
@@ -22,6 +24,9 @@ from custom_fit._types import Tensor
 from custom_fit._types import Variable
 from custom_fit.train_step_mixin import BatchLoss
 from custom_fit.train_step_mixin import TrainStepMixin
+
+# The ways to clip each example's gradient (`clipping_method`).
+CLIPPING_METHODS = ("auto", "ghost", "vectorized")
 
 
 def _number(name: str, value: Any, zero_allowed: bool) -> float | None:
@@ -88,10 +93,26 @@ class DifferentialPrivacyMixin(TrainStepMixin):
     (Abadi et al. 2016). That gradient then goes through the rest of the
     pipeline (`transform_gradients`, inspection, the optimizer).
 
-    Per-microbatch gradients are vectorized (`tf.vectorized_map` on
-    TensorFlow, `jax.vmap` on JAX); on TensorFlow, a model with an op that
-    cannot be vectorized (dropout's random seed, say) is differentiated one
-    microbatch after another instead, with a one-time warning. The noise
+    With one example per microbatch and every trained variable in a
+    Dense, EinsumDense, Embedding, Conv1D, Conv2D or Conv3D layer (LoRA
+    weights of `enable_lora` included), no per-example gradient is formed
+    ("ghost clipping", `custom_fit.ghost`): one forward pass records each
+    such layer's inputs and the gradients of the examples' summed loss
+    with respect to its outputs, from which each example's gradient norm
+    follows, and the clipped sum is the same tensors contracted with the
+    clip factors. It gives the same result as per-example gradients at
+    about the cost of one ordinary step. Otherwise (another layer with
+    weights, microbatches of several examples, a loss added in a layer's
+    call, a custom loss function, a supported layer called from code Keras
+    did not write) per-microbatch gradients are vectorized
+    (`tf.vectorized_map` on TensorFlow, `jax.vmap` on JAX, `torch.vmap`);
+    on TensorFlow, a model with an op that cannot be vectorized (dropout's
+    random seed, say), and on PyTorch (Keras' channels-last Conv2D, say),
+    is differentiated one microbatch after another instead, with a
+    one-time warning. `clipping_method` chooses; the
+    model's `per_example_clipping` says which path a step takes, and
+    `per_example_clipping_reason` why. On the ghost path each example gets
+    its own dropout draw (the batch's forward pass). The noise
     comes from a seeded generator that is part of the model's state, so a
     run is reproducible; under `tf.distribute` each replica clips its own
     examples, the clipped sums are summed across replicas, and the same
@@ -152,6 +173,14 @@ class DifferentialPrivacyMixin(TrainStepMixin):
             it. `None` (the default) divides by the
             number of microbatches of each batch. Needs one example per
             microbatch (`num_microbatches=None`).
+        clipping_method: String. How each example's gradient is clipped:
+            `"auto"` (the default) takes ghost clipping where it applies
+            and per-example gradients elsewhere; `"ghost"` asks for ghost
+            clipping and refuses a model it cannot handle, naming the
+            layer (it also accepts supported layers called from a custom
+            layer or model, trusting that code to read their weights only
+            through their own calls, on whole batches); `"vectorized"`
+            always computes per-example gradients. The result is the same.
 
     Attributes:
         private_steps: Integer. The private steps run so far (the
@@ -159,6 +188,12 @@ class DifferentialPrivacyMixin(TrainStepMixin):
             included), over every
             `fit` of this model; custom_fit state, not saved with the
             model.
+        per_example_clipping: String, `"ghost"` or `"vectorized"`: how the
+            next step clips. Decided from the model's layers; the first
+            step may revise `"ghost"` to `"vectorized"` when it finds a
+            loss added in a layer's call or a custom loss function.
+        per_example_clipping_reason: String. Why, naming the layer (or
+            the loss) in the way of ghost clipping.
 
     Example:
 
@@ -170,11 +205,15 @@ class DifferentialPrivacyMixin(TrainStepMixin):
     model = Net(inputs, keras.layers.Dense(3)(inputs), l2_norm_clip=1.0,
                 noise_multiplier=1.1, noise_seed=0)
     model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    model.per_example_clipping  # "ghost": Dense layers only
     ```
 
-    Reference:
-        [Abadi et al., 2016](https://arxiv.org/abs/1607.00133), "Deep
-        Learning with Differential Privacy".
+    References:
+        - [Abadi et al., 2016](https://arxiv.org/abs/1607.00133), "Deep
+          Learning with Differential Privacy".
+        - [Li et al., 2022](https://arxiv.org/abs/2110.05679), "Large
+          Language Models Can Be Strong Differentially Private Learners"
+          (ghost clipping).
     """
 
     reports = ("dp_clipped_fraction",)
@@ -185,6 +224,9 @@ class DifferentialPrivacyMixin(TrainStepMixin):
     noise_seed = _options.Option(None, _validation.seed_or_none)
     expected_batch_size = _options.Option(
         None, _validation.positive_float_or_none
+    )
+    clipping_method = _options.Option(
+        "auto", _validation.one_of(CLIPPING_METHODS)
     )
 
     def _configure_options(self, options: dict[str, Any]) -> None:
@@ -217,6 +259,16 @@ class DifferentialPrivacyMixin(TrainStepMixin):
                 f"{self.expected_batch_size}, num_microbatches="
                 f"{self.num_microbatches}. Leave num_microbatches out."
             )
+        if self.clipping_method == "ghost" and (
+            self.num_microbatches is not None
+        ):
+            raise ValueError(
+                "`clipping_method='ghost'` clips each example's gradient from "
+                "its layers' inputs and output gradients, so it needs one "
+                "example per microbatch. Received: clipping_method='ghost', "
+                f"num_microbatches={self.num_microbatches}. Leave "
+                "num_microbatches out, or use clipping_method='auto'."
+            )
         state = _model_state.state_of(self)
         state.dp_seeds = keras.random.SeedGenerator(self.noise_seed)
         state.holder.track(state.dp_seeds.state)
@@ -228,6 +280,16 @@ class DifferentialPrivacyMixin(TrainStepMixin):
         """The private steps run so far, skipped updates included."""
         counter = _model_state.state_of(self).dp_steps
         return int(backend.current().host_value(self, counter))
+
+    @property
+    def per_example_clipping(self) -> str:
+        """How the next step clips: `"ghost"` or `"vectorized"`."""
+        return self._clipping_choice(self._clipped_variables())[0]
+
+    @property
+    def per_example_clipping_reason(self) -> str:
+        """Why `per_example_clipping` is what it is, naming the layer."""
+        return self._clipping_choice(self._clipped_variables())[1]
 
     def compute_gradients(
         self,
@@ -272,19 +334,24 @@ class DifferentialPrivacyMixin(TrainStepMixin):
         optimizer = optimizer or self.optimizer
         self._refuse_batch_mixing()
         self._refuse_dynamic_loss_scale(optimizer)
-        loss, y_pred = loss_function()
         if variables is None:
             variables = self.trainable_variables
         weighted = [v for v in variables if not pipeline.is_overwritten(v)]
-        sums = iter(
-            self._clipped_sums(
+        found = None
+        if self._clipping_choice(weighted)[0] == "ghost":
+            found = self._ghost_clipped_sums(loss_function, weighted, optimizer)
+        if found is None:
+            loss, y_pred = loss_function()
+            clipped = self._clipped_sums(
                 loss_function.x,
                 loss_function.y,
                 loss_function.sample_weight,
                 weighted,
                 optimizer,
             )
-        )
+        else:
+            loss, y_pred, clipped = found
+        sums = iter(clipped)
         gradients: Gradients = [
             None if pipeline.is_overwritten(v) else next(sums)
             for v in variables
@@ -413,9 +480,8 @@ class DifferentialPrivacyMixin(TrainStepMixin):
             self._warn_once(
                 "dp_vectorization",
                 "DifferentialPrivacyMixin: an op of the model cannot be "
-                "vectorized over microbatches (tf.vectorized_map), so their "
-                "gradients are computed one after another (slower, same "
-                "result).",
+                "vectorized over microbatches, so their gradients are "
+                "computed one after another (slower, same result).",
             )
         if scale is not None:
             per_microbatch = [
@@ -426,6 +492,14 @@ class DifferentialPrivacyMixin(TrainStepMixin):
         # Poisson batch) contributes nothing, `model.losses` included.
         mask = None if sample_weight is None else _weighted(inputs[2])
         sums, norms = privacy.clip_and_sum(per_microbatch, clip, mask)
+        self._note_clipping(x, norms, mask, microbatches)
+        return pipeline.all_reduce_sum(sums)
+
+    def _note_clipping(
+        self, x: Any, norms: Tensor, mask: Any, microbatches: int | None
+    ) -> None:
+        """Reports the clipped share; keeps the global microbatch count."""
+        clip = ops.cast(self.l2_norm_clip, "float32")
         changed = ops.logical_or(
             ops.greater(norms, clip), ops.logical_not(ops.isfinite(norms))
         )
@@ -436,12 +510,184 @@ class DifferentialPrivacyMixin(TrainStepMixin):
             ops.sum(ops.cast(changed, "float32") * included)
             / ops.maximum(ops.sum(included), 1.0),
         )
+        replicas = pipeline.replica_count()
         if microbatches is None:
             count: Any = _keras_compat.batch_size(x, "float32") * replicas
         else:
             count = float(microbatches * replicas)
         _model_state.state_of(self).local.dp_microbatches = count
-        return pipeline.all_reduce_sum(sums)
+
+    def _clipped_variables(self) -> list[Variable]:
+        """The variables a step clips: the trainable ones, not float8."""
+        return [
+            v
+            for v in self.trainable_variables
+            if not pipeline.is_overwritten(v)
+        ]
+
+    def _clipping_choice(
+        self, variables: Sequence[Variable]
+    ) -> tuple[str, str]:
+        """Returns `(method, reason)`: how a step clips `variables`, and why.
+
+        Raises:
+            ValueError: For `clipping_method="ghost"` and a model it cannot
+                handle, naming the layer.
+        """
+        if self.clipping_method == "vectorized":
+            return "vectorized", "clipping_method='vectorized' was asked for"
+        if self.num_microbatches is not None:
+            return "vectorized", (
+                "microbatches of several examples "
+                f"(num_microbatches={self.num_microbatches}) are clipped as "
+                "one, which ghost norms do not compute"
+            )
+        reason = _model_state.state_of(self).dp_ghost_blocker
+        reason = reason or _ghost_layers.blocker(
+            self, variables, trust_code=self.clipping_method == "ghost"
+        )
+        if not reason:
+            return "ghost", (
+                "every trained variable belongs to a layer whose per-example "
+                f"norms come from its inputs and output gradients "
+                f"({_ghost_layers.SUPPORTED_NAMES}, and their LoRA weights)"
+            )
+        if self.clipping_method == "ghost":
+            raise ValueError(
+                "`clipping_method='ghost'` cannot clip this model without "
+                f"per-example gradients: {reason}. Received: "
+                "clipping_method='ghost'. Use clipping_method='auto' (which "
+                "then computes per-example gradients) or 'vectorized'."
+            )
+        return "vectorized", reason
+
+    def _ghost_clipped_sums(
+        self,
+        loss_function: BatchLoss,
+        variables: list[Variable],
+        optimizer: Optimizer,
+    ) -> tuple[Tensor, Any, Gradients] | None:
+        """Returns the loss, `y_pred` and clipped sums by ghost clipping.
+
+        One forward pass over the batch, recording each supported layer's
+        inputs and the gradients of the summed per-example losses with
+        respect to its outputs; the per-example norms, then the
+        factor-weighted sums, come from those (`custom_fit.ghost`).
+        `None` when the pass shows that ghost clipping does not apply
+        (remembered; the step then computes per-example gradients).
+        """
+        x, y, weights = (
+            loss_function.x,
+            loss_function.y,
+            loss_function.sample_weight,
+        )
+        layers = _ghost_layers.layers_to_record(self, variables)
+        regularized = [v for v in self.trainable_weights if v.regularizer]
+        problems: list[str] = []
+        calls: list[Any] = []
+
+        def run(watch: Callable[[Any], Any]) -> tuple[Tensor, Any]:
+            with _ghost_layers.recording(layers, watch) as recorded:
+                loss, y_pred = loss_function()
+            calls[:] = [layer for layer, _ in recorded]
+            if len(self.losses) != len(regularized):
+                problems.append(
+                    "a layer adds a loss in its call (add_loss), whose "
+                    "gradient is no product of a layer's inputs and output "
+                    "gradients"
+                )
+            # The sum of the examples' losses, each as the vectorized path
+            # has it (Keras' `1 / replicas` scaling undone).
+            total, problem = _keras_compat.summed_example_losses(
+                self, y, y_pred, weights
+            )
+            if total is None:
+                problems.append(problem)
+                total = loss
+            value = optimizer.scale_loss(total * pipeline.replica_count())
+            return value, (loss, y_pred, [t for _, t in recorded])
+
+        _, aux, gradients = backend.current().intermediate_gradients(run)
+        loss, y_pred, inputs = aux
+        first = next(t for t in keras.tree.flatten(x) if t is not None)
+        for layer, tensor in zip(calls, inputs):
+            problems.append(
+                _ghost_layers.call_problem(layer, tensor, first.shape[0])
+            )
+        problems = [p for p in problems if p]
+        if problems:
+            if self.clipping_method == "ghost":
+                raise ValueError(
+                    "`clipping_method='ghost'` cannot clip this model "
+                    f"without per-example gradients: {problems[0]}. "
+                    "Received: clipping_method='ghost'. Use "
+                    "clipping_method='auto' or 'vectorized'."
+                )
+            _model_state.state_of(self).dp_ghost_blocker = problems[0]
+            return None
+        terms = self._ghost_terms(
+            calls, inputs, gradients, variables, optimizer
+        )
+        shared = self._shared_gradients(variables, regularized)
+        squares = ops.zeros(ops.shape(first)[:1], "float32")
+        for v in variables:
+            squares += ghost.squared_norms(terms[id(v)], shared.get(id(v)))
+        # A NaN stays NaN (its example then counts zero); rounding below 0
+        # does not.
+        norms = ops.sqrt(ops.where(squares < 0.0, 0.0, squares))
+        mask = None if weights is None else _weighted(weights)
+        clip = ops.cast(self.l2_norm_clip, "float32")
+        factors = ops.stop_gradient(privacy.clip_factors(norms, clip, mask))
+        sums = [
+            ghost.weighted_sum(
+                terms[id(v)], factors, v.shape, shared.get(id(v))
+            )
+            for v in variables
+        ]
+        self._note_clipping(x, norms, mask, None)
+        return loss, y_pred, pipeline.all_reduce_sum(sums)
+
+    def _ghost_terms(
+        self,
+        calls: list[Any],
+        inputs: list[Any],
+        gradients: list[Any],
+        variables: list[Variable],
+        optimizer: Optimizer,
+    ) -> dict[int, list[ghost.Term]]:
+        """Returns each variable's terms, from every recorded call."""
+        scale = pipeline.loss_scale(optimizer)
+        wanted = {id(v) for v in variables}
+        terms: dict[int, list[ghost.Term]] = {key: [] for key in wanted}
+        for layer, tensor, gradient in zip(calls, inputs, gradients):
+            if scale is not None:
+                gradient = gradient / ops.cast(scale, gradient.dtype)
+            found = _ghost_layers.terms(layer, tensor, gradient, wanted)
+            for key, more in found.items():
+                terms[key].extend(more)
+        return terms
+
+    def _shared_gradients(
+        self, variables: list[Variable], regularized: list[Variable]
+    ) -> dict[int, Tensor]:
+        """Returns the gradients of the weight regularizers (`model.losses`).
+
+        Every example's loss includes them, so every example's gradient
+        has this part.
+        """
+        wanted = {id(v) for v in variables}
+        own = [v for v in regularized if id(v) in wanted]
+        if not own:
+            return {}
+
+        def penalty() -> tuple[Tensor, None]:
+            values = [
+                ops.cast(ops.sum(v.regularizer(v)), "float32") for v in own
+            ]
+            return _gradient_ops.add_all(values), None
+
+        _, _, gradients = backend.current().value_and_grad(penalty, own)
+        return {id(v): g for v, g in zip(own, gradients)}
 
     def _microbatch_count(self, x: Any) -> int | None:
         """Returns the number of microbatches; `None`: one per example.

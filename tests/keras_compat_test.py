@@ -110,3 +110,53 @@ class KerasPrivatesTest(testing.TestCase):
         self.assertEqual(
             float(testing.to_numpy(optimizer.dynamic_scale)), 2.0**15
         )
+
+    def test_flatten_layers_reaches_a_custom_layers_sublayers(self):
+        """_flatten_layers lists every layer inside a model, those a custom
+        layer holds as attributes too (ghost clipping's ownership)."""
+
+        class Block(keras.layers.Layer):
+            def __init__(self):
+                super().__init__(name="block")
+                self.inner = keras.layers.Dense(2, name="inner")
+
+            def call(self, inputs):
+                return self.inner(inputs)
+
+        inputs = keras.Input((3,))
+        model = keras.Model(inputs, Block()(inputs))
+        names = [layer.name for layer in _keras_compat.all_layers(model)]
+        self.assertEqual(names[-2:], ["block", "inner"])
+        self.assertNotIn(model.name, names)
+
+    def test_compiled_losses_show_reduction_and_function(self):
+        """A compiled Keras loss exposes its `reduction`, and its wrapped
+        function (`fn`) comes from Keras: the sum of the examples' losses
+        is the batch's loss times the batch size."""
+        model = testing.mlp()
+        model.compile(
+            optimizer="sgd",
+            loss=testing.sparse_crossentropy(),
+            run_eagerly=True,
+        )
+        x, y = testing.classification_data(samples=8)
+        y_pred = model(x)
+        model.compute_loss(x, y, y_pred)
+        ((_, loss, _, _),) = model._compile_loss._flat_losses
+        self.assertEqual(loss.reduction, "sum_over_batch_size")
+        self.assertTrue(loss.fn.__module__.startswith("keras."))
+        total, problem = _keras_compat.summed_example_losses(
+            model, y, y_pred, None
+        )
+        self.assertEqual(problem, "")
+        each = [
+            _keras_compat.per_output_losses(
+                model, y[i : i + 1], y_pred[i : i + 1], None
+            )
+            for i in range(8)
+        ]
+        self.assertAllClose(
+            testing.to_numpy(total),
+            sum(testing.to_numpy(v) for e in each for v in e.values()),
+            rtol=1e-5,
+        )

@@ -391,10 +391,14 @@ class DifferentialPrivacyMixinTest(testing.TestCase):
     @pytest.mark.tensorflow  # tf.py_function has no vectorized form
     def test_unvectorizable_model_trains_one_microbatch_at_a_time(self):
         """A model with an op tf.vectorized_map cannot vectorize trains on
-        the loop path, equal to the oracle, and says so once."""
+        the loop path (per-example gradients asked for: ghost clipping
+        needs none), equal to the oracle, and says so once."""
         x, y = testing.classification_data(samples=4 * BATCH)
         model = host_scaled_mlp(
-            PrivateNet, l2_norm_clip=CLIP, noise_multiplier=0.0
+            PrivateNet,
+            l2_norm_clip=CLIP,
+            noise_multiplier=0.0,
+            clipping_method="vectorized",
         )
         model.compile(
             optimizer=keras.optimizers.SGD(RATE),

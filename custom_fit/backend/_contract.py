@@ -64,6 +64,20 @@ class Adapter(Protocol):
         """
         ...
 
+    def intermediate_gradients(
+        self, function: Callable[[Callable[[Any], Any]], tuple[Any, Any]]
+    ) -> tuple[Any, Any, list[Any]]:
+        """Returns `(value, aux, gradients)` of `function(watch)`.
+
+        `function` takes `watch`, a callable that returns the tensor it is
+        given, unchanged in value, and marks it; `function` returns
+        `(value, aux)`, `value` a scalar. `gradients` are those of `value`
+        with respect to the marked tensors (intermediate results, such as
+        a layer's output), in the order marked; zeros where `value` does
+        not depend on one. Updates `function` makes to variables are kept.
+        """
+        ...
+
     def check_recorded_loss(self, tape: Any) -> None:
         """Raises unless `tape` can differentiate a loss it recorded.
 

@@ -268,6 +268,55 @@ def input_gradients(
     return list(gradients)
 
 
+def intermediate_gradients(
+    function: Callable[[Callable[[Any], Any]], tuple[Any, Any]],
+) -> tuple[Any, Any, list[Any]]:
+    """Returns `(value, aux, gradients)` of `function(watch)`.
+
+    See `custom_fit.backend.tensorflow.intermediate_gradients`. JAX
+    differentiates with respect to a function's arguments only, so
+    `watch` adds a zero "probe" argument to each tensor it is given, and
+    the gradients are those with respect to the probes. The probes'
+    shapes come from a first, abstract trace of `function`
+    (`jax.eval_shape`: no computation, its updates thrown away).
+    """
+    shapes: list[Any] = []
+
+    def shapes_only() -> Any:
+        def watch(tensor: Any) -> Any:
+            shapes.append(jax.ShapeDtypeStruct(tensor.shape, tensor.dtype))
+            return tensor
+
+        with _entered(_child()):
+            value, _ = function(watch)
+        return value
+
+    jax.eval_shape(shapes_only)
+    scopes: list[_Scope] = []
+
+    def pure(probes: list[Any]) -> tuple[Any, tuple[Any, dict]]:
+        remaining = iter(probes)
+
+        def watch(tensor: Any) -> Any:
+            return tensor + next(remaining)
+
+        scope = _child()
+        with _entered(scope):
+            value, aux = function(watch)
+        scopes.append(scope)
+        updates = {key: scope.state_mapping[key] for key in scope.updated}
+        return value, (aux, updates)
+
+    probes = [jax.numpy.zeros(s.shape, s.dtype) for s in shapes]
+    (value, (aux, updates)), gradients = jax.value_and_grad(pure, has_aux=True)(
+        probes
+    )
+    scope = scopes[-1]
+    scope.state_mapping.update(updates)
+    _write_back(scope)
+    return value, aux, list(gradients)
+
+
 # Conditional updates.
 
 

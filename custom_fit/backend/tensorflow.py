@@ -190,6 +190,39 @@ def input_gradients(
     )
 
 
+def intermediate_gradients(
+    function: Callable[[Callable[[Any], Any]], tuple[Any, Any]],
+) -> tuple[Any, Any, list[Any]]:
+    """Returns `(value, aux, gradients)` of `function(watch)`.
+
+    The tape differentiates the value with respect to the tensors that
+    `function` passes to `watch` (intermediate results: a tape records
+    every op, and `watch` makes sure it records those).
+
+    Args:
+        function: Callable taking `watch` (a callable returning the tensor
+            it is given) and returning `(value, aux)`, `value` a scalar.
+
+    Returns:
+        The value, the aux output, and the list of gradients of the value
+        with respect to the watched tensors, in the order watched (zeros
+        where the value does not depend on one).
+    """
+    watched: list[Any] = []
+    with tf.GradientTape() as tape:
+
+        def watch(tensor: Any) -> Any:
+            tape.watch(tensor)
+            watched.append(tensor)
+            return tensor
+
+        value, aux = function(watch)
+    gradients = tape.gradient(
+        value, watched, unconnected_gradients=tf.UnconnectedGradients.ZERO
+    )
+    return value, aux, list(gradients)
+
+
 # Replicas.
 
 

@@ -204,6 +204,37 @@ def input_gradients(
     ]
 
 
+def intermediate_gradients(
+    function: Callable[[Callable[[Any], Any]], tuple[Any, Any]],
+) -> tuple[Any, Any, list[Any]]:
+    """Returns `(value, aux, gradients)` of `function(watch)`.
+
+    See `custom_fit.backend.tensorflow.intermediate_gradients`: here one
+    `torch.autograd.grad` with respect to the watched tensors, which are
+    nodes of the graph already (a tensor that does not require gradients
+    gets zeros).
+    """
+    watched: list[Any] = []
+
+    def watch(tensor: Any) -> Any:
+        watched.append(tensor)
+        return tensor
+
+    with torch.enable_grad():
+        value, aux = function(watch)
+        wanted = [i for i, t in enumerate(watched) if t.requires_grad]
+        found: Sequence[Any] = ()
+        if wanted and value.requires_grad:
+            found = torch.autograd.grad(
+                value, [watched[i] for i in wanted], allow_unused=True
+            )
+    gradients = [torch.zeros_like(t) for t in watched]
+    for i, gradient in zip(wanted, found):
+        if gradient is not None:
+            gradients[i] = gradient
+    return value, aux, gradients
+
+
 # Conditional updates.
 
 

@@ -1,0 +1,444 @@
+"""Which layers ghost clipping handles, what it records, and their terms.
+
+`DifferentialPrivacyMixin` clips without per-example gradients when every
+variable it trains belongs to a layer listed here (`blocker` says why
+not, naming the layer). During the step's one forward pass, `recording`
+wraps each such layer's `call` (an attribute of the instance, restored
+afterwards): the layer's activation is held back, so that the tensor
+marked (`watch`) is the pre-activation output, whose gradient, with the
+layer's inputs, gives every weight's per-example gradient as a
+`custom_fit.ghost` term (`terms`).
+
+The rules rest on each example's output depending only on its own inputs
+(DP already refuses BatchNormalization) and on each weight being read
+only by its layer's own `call`. Code that Keras did not write could read
+a weight elsewhere (a custom layer holding a Dense and reading its
+kernel), which ghost norms would miss: `clipping_method="auto"` therefore
+falls back to per-example gradients for models whose supported layers are
+called from a custom layer or model (`call` written outside Keras) or
+beside a `Lambda`; `clipping_method="ghost"` trusts that code.
+"""
+
+import contextlib
+import threading
+from collections.abc import Callable
+from collections.abc import Iterator
+from collections.abc import Sequence
+from typing import Any
+
+import keras
+from keras import ops
+
+from custom_fit import _keras_compat
+from custom_fit import ghost
+
+KERNEL_LAYERS = (
+    keras.layers.Dense,
+    keras.layers.EinsumDense,
+    keras.layers.Conv1D,
+    keras.layers.Conv2D,
+    keras.layers.Conv3D,
+)
+TABLE_LAYERS = (keras.layers.Embedding,)
+SUPPORTED = KERNEL_LAYERS + TABLE_LAYERS
+SUPPORTED_NAMES = ", ".join(c.__name__ for c in SUPPORTED)
+_KERNEL_ROLES = ("kernel", "bias", "lora_kernel_a", "lora_kernel_b")
+_TABLE_ROLES = ("embeddings", "lora_embeddings_a", "lora_embeddings_b")
+# Keras layers that call their supported sublayers on whole batches.
+_BATCH_CALLERS = (keras.layers.MultiHeadAttention,)
+
+
+def blocker(model: Any, variables: Sequence[Any], trust_code: bool) -> str:
+    """Returns why ghost clipping cannot train `variables`; `""` if it can.
+
+    Args:
+        model: The model.
+        variables: The variables the step differentiates.
+        trust_code: Bool. Accept supported layers called from code Keras
+            did not write (`clipping_method="ghost"`).
+
+    Returns:
+        A sentence naming the first layer in the way, or `""`.
+    """
+    layers = _keras_compat.all_layers(model)
+    owners = _owners(layers)
+    for variable in variables:
+        owner = owners.get(id(variable))
+        if owner is None:
+            holder = _holder(layers, variable)
+            return (
+                f"the variable {variable.path!r} belongs to the layer "
+                f"{holder}, which has no ghost norm (only {SUPPORTED_NAMES} "
+                "and their LoRA weights have)"
+            )
+        reason = layer_problem(owner)
+        if reason:
+            return f"the layer {_named(owner)} {reason}"
+    for layer in [model, *layers]:
+        reason = _other_problem(layer, owners, trust_code)
+        if reason:
+            return reason
+    return ""
+
+
+def layer_problem(layer: Any) -> str:
+    """Returns why a layer of a supported class is not handled; `""`."""
+    if getattr(layer, "quantization_mode", None) is not None:
+        return f"is quantized ({layer.quantization_mode!r})"
+    roles = _TABLE_ROLES if isinstance(layer, TABLE_LAYERS) else _KERNEL_ROLES
+    unknown = [v.name for v in layer.variables if v.name not in roles]
+    if unknown:
+        return f"has weights ghost clipping does not know: {unknown}"
+    if getattr(layer, "groups", 1) != 1:
+        return f"is a grouped convolution (groups={layer.groups})"
+    if isinstance(layer, keras.layers.Embedding) and layer.mask_zero:
+        return "makes a mask (mask_zero=True), which the loss would read"
+    if isinstance(layer, keras.layers.EinsumDense):
+        return _equation_problem(layer.equation)
+    return ""
+
+
+def _equation_problem(equation: str) -> str:
+    """Returns why an EinsumDense equation is not handled; `""`."""
+    inputs, rest = equation.split(",")
+    kernel, outputs = rest.split("->")
+    if inputs.startswith("..."):
+        return ""
+    if not outputs or inputs[0] != outputs[0] or inputs[0] in kernel:
+        return (
+            f"has the equation {equation!r}, whose first axis is not the "
+            "example's (the first letter of its input and output, not in "
+            "its kernel)"
+        )
+    return ""
+
+
+def _other_problem(layer: Any, owners: dict[int, Any], trust_code: bool) -> str:
+    """Returns why a layer owning no clipped variable is in the way."""
+    if getattr(layer, "activity_regularizer", None) is not None:
+        return (
+            f"the layer {_named(layer)} has an activity regularizer, a loss "
+            "of each example's activations whose gradient is no product of "
+            "a layer's inputs and output gradients"
+        )
+    if isinstance(layer, keras.layers.Masking):
+        return f"the layer {_named(layer)} makes a mask, which the loss reads"
+    if trust_code or isinstance(layer, SUPPORTED):
+        return ""
+    if isinstance(layer, keras.layers.Lambda):
+        return (
+            f"the layer {_named(layer)} runs code that could read a weight "
+            "outside its layer's call (pass clipping_method='ghost' if it "
+            "reads none)"
+        )
+    inner = _keras_compat.all_layers(layer)
+    if any(id(v) in owners for s in inner for v in s.variables):
+        if isinstance(layer, _BATCH_CALLERS) or (
+            isinstance(layer, keras.Model) and _written_by_keras(layer)
+        ):
+            return ""
+        return (
+            f"the layer {_named(layer)} calls supported layers from code "
+            "Keras did not write, which could read their weights elsewhere "
+            "or call them on other than whole batches (pass "
+            "clipping_method='ghost' if it does neither)"
+        )
+    return ""
+
+
+def _written_by_keras(layer: Any) -> bool:
+    """Whether the layer's `call` is Keras' own (a functional model's)."""
+    module = getattr(type(layer).call, "__module__", "") or ""
+    return module.startswith("keras.")
+
+
+def _owners(layers: list[Any]) -> dict[int, Any]:
+    """Returns `id(variable) -> layer` for the supported layers' weights."""
+    owners = {}
+    for layer in layers:
+        if type(layer) in SUPPORTED:
+            for variable in layer.variables:
+                owners[id(variable)] = layer
+    return owners
+
+
+def _holder(layers: list[Any], variable: Any) -> str:
+    """Names the innermost layer holding `variable`."""
+    holding = [
+        layer for layer in layers if any(v is variable for v in layer.variables)
+    ]
+    if not holding:
+        return "(the model itself)"
+    return _named(min(holding, key=lambda layer: len(layer.variables)))
+
+
+def _named(layer: Any) -> str:
+    return f"{layer.name!r} ({type(layer).__name__})"
+
+
+def layers_to_record(model: Any, variables: Sequence[Any]) -> list[Any]:
+    """Returns the supported layers owning some of `variables`."""
+    wanted = {id(v) for v in variables}
+    return [
+        layer
+        for layer in _keras_compat.all_layers(model)
+        if type(layer) in SUPPORTED
+        and any(id(v) in wanted for v in layer.variables)
+    ]
+
+
+class _Recording:
+    """One thread's recording: its `watch`, its calls, its layers."""
+
+    def __init__(
+        self, layers: Sequence[Any], watch: Callable[[Any], Any]
+    ) -> None:
+        self.watch = watch
+        self.calls: list[tuple[Any, Any]] = []
+        self.layers = {id(layer) for layer in layers}
+        self.held: set[int] = set()  # layers whose activation is held back
+
+
+# The recording of each thread (MirroredStrategy traces each replica in a
+# thread of its own), and how many recordings use each layer's wrappers.
+_LOCAL = threading.local()
+_LOCK = threading.Lock()
+_USERS: dict[int, int] = {}
+
+
+def _active() -> "_Recording | None":
+    return getattr(_LOCAL, "recording", None)
+
+
+@contextlib.contextmanager
+def recording(
+    layers: Sequence[Any], watch: Callable[[Any], Any]
+) -> Iterator[list[tuple[Any, Any]]]:
+    """Records each call of `layers`: its inputs, and its output watched.
+
+    Inside the context, each layer's `call` runs the original with the
+    activation held back, passes the result through `watch`, then applies
+    the activation. The context's value is the list of `(layer, inputs)`
+    in the order of the calls, which is the order of the watched tensors.
+
+    The layers' `call` and `activation` are replaced on the instances
+    (restored when the last recording using them ends) by wrappers that
+    record only in the thread of a recording that lists the layer; any
+    other call runs as before.
+
+    Args:
+        layers: Layers of the supported classes.
+        watch: Callable marking a tensor (see
+            `custom_fit.backend.Adapter.intermediate_gradients`).
+
+    Yields:
+        The list of calls, filled as the layers run.
+    """
+    layers = list({id(layer): layer for layer in layers}.values())
+    active = _Recording(layers, watch)
+    previous = _active()
+    _LOCAL.recording = active
+    with _LOCK:
+        for layer in layers:
+            if not _USERS.get(id(layer)):
+                _wrap(layer)
+            _USERS[id(layer)] = _USERS.get(id(layer), 0) + 1
+    try:
+        yield active.calls
+    finally:
+        _LOCAL.recording = previous
+        with _LOCK:
+            for layer in layers:
+                _USERS[id(layer)] -= 1
+                if not _USERS[id(layer)]:
+                    del _USERS[id(layer)]
+                    _unwrap(layer)
+
+
+def _wrap(layer: Any) -> None:
+    """Puts the recording `call` (and activation) on the instance."""
+    original = type(layer).call.__get__(layer)
+    activation = getattr(layer, "activation", None)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        active = _active()
+        if active is None or id(layer) not in active.layers:
+            return original(*args, **kwargs)
+        active.held.add(id(layer))
+        try:
+            outputs = original(*args, **kwargs)
+        finally:
+            active.held.discard(id(layer))
+        active.calls.append((layer, args[0] if args else kwargs["inputs"]))
+        outputs = active.watch(outputs)
+        return outputs if activation is None else activation(outputs)
+
+    def held_back(outputs: Any) -> Any:
+        active = _active()
+        if active is not None and id(layer) in active.held:
+            return outputs
+        return activation(outputs)  # type: ignore[misc]
+
+    object.__setattr__(layer, "call", call)
+    if activation is not None:
+        object.__setattr__(layer, "activation", held_back)
+        object.__setattr__(layer, "_custom_fit_activation", activation)
+
+
+def _unwrap(layer: Any) -> None:
+    """Restores the layer's own `call` and activation."""
+    object.__delattr__(layer, "call")
+    activation = vars(layer).pop("_custom_fit_activation", None)
+    if activation is not None:
+        object.__setattr__(layer, "activation", activation)
+
+
+def call_problem(layer: Any, inputs: Any, batch_size: Any) -> str:
+    """Returns why one recorded call cannot be used; `""` if it can.
+
+    Checked where shapes are static: the inputs' first axis must be the
+    batch's examples (a layer called on a reshaped batch, `(examples *
+    positions, ...)`, would mix them), and a convolution's spatial sizes
+    must be known (its patches are cut at trace time).
+    """
+    first = inputs.shape[0]
+    if isinstance(batch_size, int) and first not in (None, batch_size):
+        return (
+            f"the layer {_named(layer)} was called on a tensor whose first "
+            f"axis ({first}) is not the batch's examples ({batch_size})"
+        )
+    if isinstance(layer, KERNEL_LAYERS[2:]) and None in inputs.shape[1:]:
+        return (
+            f"the convolution {_named(layer)} was called on inputs of "
+            f"shape {tuple(inputs.shape)}, whose spatial sizes are not "
+            "known when the step is traced"
+        )
+    return ""
+
+
+def terms(
+    layer: Any, inputs: Any, gradient: Any, wanted: set[int]
+) -> dict[int, list[ghost.Term]]:
+    """Returns the terms of one call's weights in `wanted` (by `id`).
+
+    Args:
+        layer: A layer of a supported class.
+        inputs: The inputs of the call.
+        gradient: The gradient of the loss with respect to its output
+            before the activation (not loss-scaled).
+        wanted: Ids of the variables to describe.
+
+    Returns:
+        A dict of variable id to a list with its term.
+    """
+    if isinstance(layer, keras.layers.Embedding):
+        found = _table_terms(layer, inputs, gradient)
+    else:
+        found = _kernel_terms(layer, inputs, gradient)
+    by_name = {v.name: v for v in layer.variables}
+    return {
+        id(by_name[name]): [term]
+        for name, term in found.items()
+        if name in by_name and id(by_name[name]) in wanted
+    }
+
+
+def _kernel_terms(layer: Any, inputs: Any, gradient: Any) -> dict[str, Any]:
+    """The terms of a Dense, EinsumDense or convolution call."""
+    if isinstance(layer, keras.layers.Dense):
+        kernel, bias = _dense(inputs, gradient)
+    elif isinstance(layer, keras.layers.EinsumDense):
+        kernel, bias = _einsum_dense(layer, inputs, gradient)
+    else:
+        kernel, bias = _convolution(layer, inputs, gradient)
+    found: dict[str, Any] = {"kernel": kernel, "bias": bias}
+    if layer.lora_enabled:
+        found["lora_kernel_a"], found["lora_kernel_b"] = ghost.lora_products(
+            kernel,
+            ops.convert_to_tensor(layer.lora_kernel_a),
+            ops.convert_to_tensor(layer.lora_kernel_b),
+            layer.lora_alpha / layer.lora_rank,
+        )
+    return found
+
+
+def _dense(inputs: Any, gradient: Any) -> tuple[Any, Any]:
+    """A Dense kernel's and bias's terms (positions: the middle axes)."""
+    letters = ghost.letters(len(inputs.shape))
+    free, c, o = letters[:-2], letters[-2], letters[-1]
+    return (
+        ghost.Product(inputs, gradient, free + c, free + o, c + o),
+        ghost.Product(None, gradient, "", free + o, o),
+    )
+
+
+def _einsum_dense(layer: Any, inputs: Any, gradient: Any) -> tuple[Any, Any]:
+    """An EinsumDense kernel's and bias's terms, from its equation."""
+    inputs_spec, rest = layer.equation.split(",")
+    kernel_spec, outputs_spec = rest.split("->")
+    named = sorted(set(inputs_spec + kernel_spec + outputs_spec) - {"."})
+    elided = len(inputs.shape) - len(inputs_spec.replace("...", ""))
+    letters = ghost.letters(len(named) + elided)
+    renamed = dict(zip(named, letters))
+    dots = letters[len(named) :]
+
+    def spec(text: str) -> str:
+        text = text.replace("...", "0")
+        return "".join(dots if c == "0" else renamed[c] for c in text)
+
+    xs, ks, gs = spec(inputs_spec), spec(kernel_spec), spec(outputs_spec)
+    kernel = ghost.Product(inputs, gradient, xs[1:], gs[1:], ks)
+    bias = None
+    if layer.bias is not None:
+        aligned = gs[len(gs) - len(layer.bias.shape) :]
+        kept = "".join(
+            c for c, size in zip(aligned, layer.bias.shape) if size != 1
+        )
+        bias = ghost.Product(None, gradient, "", gs[1:], kept)
+    return kernel, bias
+
+
+def _convolution(layer: Any, inputs: Any, gradient: Any) -> tuple[Any, Any]:
+    """A convolution's kernel and bias terms: patches times gradients."""
+    if layer.data_format == "channels_first":
+        inputs = ops.moveaxis(inputs, 1, -1)
+        gradient = ops.moveaxis(gradient, 1, -1)
+    patches = ghost.conv_patches(
+        inputs,
+        layer.kernel_size,
+        layer.strides,
+        layer.padding,
+        layer.dilation_rate,
+    )
+    rank = len(layer.kernel_size)
+    letters = ghost.letters(2 * rank + 2)
+    out, window = letters[:rank], letters[rank : 2 * rank]
+    c, f = letters[-2], letters[-1]
+    return (
+        ghost.Product(
+            patches, gradient, out + window + c, out + f, window + c + f
+        ),
+        ghost.Product(None, gradient, "", out + f, f),
+    )
+
+
+def _table_terms(layer: Any, inputs: Any, gradient: Any) -> dict[str, Any]:
+    """The terms of an Embedding call (and of its LoRA weights)."""
+    indices = ops.cast(inputs, "int32")
+    found: dict[str, Any] = {
+        "embeddings": ghost.Rows(indices, gradient, layer.input_dim)
+    }
+    if layer.lora_enabled:
+        scale = layer.lora_alpha / layer.lora_rank
+        a = ops.cast(ops.convert_to_tensor(layer.lora_embeddings_a), "float32")
+        b = ops.cast(ops.convert_to_tensor(layer.lora_embeddings_b), "float32")
+        g = ops.cast(gradient, "float32")
+        found["lora_embeddings_a"] = ghost.Rows(
+            indices, scale * ops.matmul(g, ops.transpose(b)), layer.input_dim
+        )
+        letters = ghost.letters(len(gradient.shape))
+        free, r, q = letters[:-2], letters[-2], letters[-1]
+        found["lora_embeddings_b"] = ghost.Product(
+            scale * ops.take(a, indices, axis=0), g, free + r, free + q, r + q
+        )
+    return found

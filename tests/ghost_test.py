@@ -1,0 +1,755 @@
+"""Ghost clipping (custom_fit.ghost, clipping_method of
+DifferentialPrivacyMixin) against independent references: the pure norms
+and sums against NumPy's per-example gradients, conv patches against the
+backend's convolution, and whole noiseless `fit` runs of the ghost path
+against the vectorized per-example path (itself checked against the
+NumPy oracle in privacy_test.py), on Dense, Embedding, Conv1D, Conv2D,
+EinsumDense, attention and LoRA models."""
+
+import contextlib
+import os
+import tempfile
+import warnings
+
+import keras
+import numpy as np
+from absl.testing import parameterized
+from keras import ops
+
+import custom_fit
+from custom_fit import ghost
+from custom_fit import sampling
+from tests import testing
+
+L = keras.layers
+BATCH = 16
+RATE = 0.1
+
+
+class PrivateNet(custom_fit.DifferentialPrivacyMixin, keras.Model):
+    pass
+
+
+def randomized(model, scale=0.5, seed=1):
+    """Gives every weight (LoRA's B too, which starts at zero) NumPy
+    draws: the same model on every backend."""
+    rng = np.random.RandomState(seed)
+    model.set_weights(
+        [rng.normal(0, scale, w.shape).astype("float32") for w in model.weights]
+    )
+    return model
+
+
+def dense_model(model_class=keras.Model, **kwargs):
+    """Dense layers on feature vectors (positions T = 1)."""
+    inputs = keras.Input((4,))
+    hidden = L.Dense(8, activation="relu")(inputs)
+    return randomized(model_class(inputs, L.Dense(3)(hidden), **kwargs))
+
+
+def sequence_model(model_class=keras.Model, **kwargs):
+    """A small transformer-ish block: Embedding, a Dense on every token
+    (positions T = 6), multi-head attention (EinsumDense inside), mean,
+    Dense logits."""
+    inputs = keras.Input((6,), dtype="int32")
+    tokens = L.Embedding(20, 8)(inputs)
+    tokens = L.Dense(8, activation="relu")(tokens)
+    tokens = L.MultiHeadAttention(2, 4)(tokens, tokens)
+    outputs = L.Dense(3)(L.GlobalAveragePooling1D()(tokens))
+    return randomized(model_class(inputs, outputs, **kwargs), scale=0.4)
+
+
+def conv2d_model(model_class=keras.Model, **kwargs):
+    """Conv2D with "same" padding, pooling, a strided "valid" Conv2D."""
+    inputs = keras.Input((8, 8, 2))
+    hidden = L.Conv2D(4, 3, padding="same", activation="relu")(inputs)
+    hidden = L.Conv2D(4, 2, strides=2)(L.MaxPooling2D()(hidden))
+    outputs = L.Dense(3)(L.Flatten()(hidden))
+    return randomized(model_class(inputs, outputs, **kwargs))
+
+
+def lora_model(model_class=keras.Model, **kwargs):
+    """LoRA (`enable_lora`) on a Dense, an EinsumDense, a Conv1D (causal,
+    dilated) and an Embedding: their kernels frozen, LoRA's A and B (and
+    the biases) trained."""
+    inputs = keras.Input((6,), dtype="int32")
+    embedding = L.Embedding(20, 4)
+    conv = L.Conv1D(6, 3, padding="causal", dilation_rate=2, activation="relu")
+    einsum = L.EinsumDense(
+        "abc,cde->abde", output_shape=(None, 2, 3), bias_axes="de"
+    )
+    dense = L.Dense(3)
+    tokens = einsum(conv(embedding(inputs)))
+    pooled = L.GlobalAveragePooling1D()(L.Reshape((6, 6))(tokens))
+    model = model_class(inputs, dense(pooled), **kwargs)
+    embedding.enable_lora(2)
+    conv.enable_lora(2)
+    einsum.enable_lora(2)
+    dense.enable_lora(2, lora_alpha=4)
+    return randomized(model)
+
+
+def regularized_model(model_class=keras.Model, **kwargs):
+    """Dense layers with kernel and bias regularizers: a `model.losses`
+    term whose gradient every example's gradient shares."""
+    inputs = keras.Input((4,))
+    hidden = L.Dense(
+        8,
+        activation="relu",
+        kernel_regularizer=keras.regularizers.L2(0.05),
+        bias_regularizer=keras.regularizers.L1(0.01),
+    )(inputs)
+    outputs = L.Dense(3, kernel_regularizer=keras.regularizers.L1L2(0.01))(
+        hidden
+    )
+    return randomized(model_class(inputs, outputs, **kwargs))
+
+
+def shared_model(model_class=keras.Model, **kwargs):
+    """One Dense layer called twice: an example's gradient is the sum of
+    both calls' contributions."""
+    inputs = keras.Input((4,))
+    twice = L.Dense(4, activation="tanh")
+    outputs = L.Dense(3)(twice(twice(inputs)))
+    return randomized(model_class(inputs, outputs, **kwargs))
+
+
+# name -> (model, input shape or "tokens", l2_norm_clip): each bound lies
+# between the smallest and largest per-example norms (checked by the
+# clipped share of each test).
+MODELS = {
+    "dense": (dense_model, (4,), 2.0),
+    "sequence": (sequence_model, "tokens", 3.0),
+    "conv2d": (conv2d_model, (8, 8, 2), 30.0),
+    "lora": (lora_model, "tokens", 4.0),
+    "regularized": (regularized_model, (4,), 2.5),
+    "shared": (shared_model, (4,), 1.6),
+}
+
+
+def data(name, samples=4 * BATCH, seed=5):
+    """Returns `(x, y)` for the model `name`: tokens or float features,
+    three classes."""
+    rng = np.random.RandomState(seed)
+    shape = MODELS[name][1]
+    if shape == "tokens":
+        x = rng.randint(0, 20, size=(samples, 6))
+    else:
+        x = rng.randn(samples, *shape).astype("float32")
+    return x, rng.randint(0, 3, size=samples)
+
+
+def private(name, method, mode, **options):
+    """Returns the compiled private model `name` (SGD, no noise)."""
+    build, _, clip = MODELS[name]
+    model = build(
+        PrivateNet,
+        l2_norm_clip=clip,
+        noise_multiplier=0.0,
+        clipping_method=method,
+        **options,
+    )
+    model.compile(
+        optimizer=keras.optimizers.SGD(RATE),
+        loss=testing.sparse_crossentropy(),
+        **mode,
+    )
+    return model
+
+
+# The mode of the vectorized oracle, and of each model's one run: the
+# backend's compiled step, but a graph function on TensorFlow (traced with
+# an unknown batch size; XLA takes seconds a model there). The models run
+# in every execution mode are the Dense one (and a few more below).
+TRACED = (
+    dict(jit_compile=False)
+    if testing.BACKEND == "tensorflow"
+    else testing.compiled()
+)
+_ORACLES = {}
+
+
+def fit(name, method, mode, x, y, sample_weight=None, **options):
+    """Trains the private model `name` on `(x, y)`, 16 examples a batch,
+    in order; returns it and its last clipped share."""
+    model = private(name, method, mode, **options)
+    with oracle_warnings():
+        history = model.fit(
+            x,
+            y,
+            sample_weight=sample_weight,
+            batch_size=BATCH,
+            shuffle=False,
+            verbose=0,
+        ).history
+    return model, history["dp_clipped_fraction"][-1]
+
+
+def vectorized(name, x, y, sample_weight=None, **options):
+    """The oracle: the weights and last clipped share of the vectorized
+    path after the same `fit` (in `TRACED` mode), run once per process
+    for each model, data and options (a run is deterministic)."""
+    key = (
+        name,
+        *(None if a is None else a.tobytes() for a in (x, y, sample_weight)),
+        tuple(sorted(options.items())),
+    )
+    if key not in _ORACLES:
+        model, share = fit(
+            name, "vectorized", TRACED, x, y, sample_weight, **options
+        )
+        assert model.per_example_clipping == "vectorized"
+        _ORACLES[key] = (model.get_weights(), share)
+    return _ORACLES[key]
+
+
+@contextlib.contextmanager
+def oracle_warnings():
+    """Lets the vectorized path warn as it may on PyTorch (same result):
+    `torch.func.vmap` cannot batch Keras' channels-last Conv2D (the
+    examples are then differentiated one after another) and batches
+    attention op by op (a performance warning of PyTorch's)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", "DifferentialPrivacyMixin: an op of the model cannot"
+        )
+        warnings.filterwarnings("ignore", ".*There is a performance drop")
+        yield
+
+
+def distinct(*cases):
+    """The cases `(name, model, mode)` whose step differs on this backend,
+    the first of each: on PyTorch every step is eager and one per
+    execution (`testing.compiled` and `testing.looped` drop the rest), so
+    one case per model."""
+    seen, kept = set(), []
+    for case in cases:
+        key = case[1]
+        if testing.BACKEND != "torch":
+            key = (case[1], tuple(sorted(case[2].items())))
+        if key not in seen:
+            seen.add(key)
+            kept.append(case)
+    return tuple(kept)
+
+
+def numpy_per_example(x, g):
+    """Each example's gradient `x_i^T g_i` of a Dense kernel, with NumPy
+    in float64 (`x`: (B, T, P), `g`: (B, T, Q))."""
+    return np.einsum("btp,btq->bpq", x.astype(np.float64), g)
+
+
+class GhostMathTest(testing.TestCase):
+    def setUp(self):
+        super().setUp()
+        self.rng = np.random.RandomState(0)
+
+    def normal(self, *shape):
+        return self.rng.normal(size=shape).astype("float32")
+
+    @parameterized.named_parameters(
+        ("one_position_gram", 1), ("sequence_direct", 7)
+    )
+    def test_product_norms_and_sums_equal_numpy(self, positions):
+        """Squared norms (plus a shared gradient) and factor-weighted sums
+        of a Product equal those of NumPy's per-example gradients, in the
+        Gram form (T = 1) and the direct form (T = 7)."""
+        x, g = self.normal(5, positions, 6), self.normal(5, positions, 4)
+        shared, factors = self.normal(6, 4), self.rng.uniform(size=5)
+        term = ghost.Product(x, g, "tc", "to", "co")
+        per_example = numpy_per_example(x, g)
+        self.assertAllClose(
+            ghost.squared_norms([term], shared),
+            np.sum((per_example + shared) ** 2, axis=(1, 2)),
+            rtol=1e-5,
+        )
+        self.assertAllClose(
+            ghost.weighted_sum([term], factors, (6, 4), shared),
+            np.einsum("b,bpq->pq", factors, per_example)
+            + factors.sum() * shared,
+            rtol=1e-5,
+            atol=1e-5,
+        )
+
+    def test_several_calls_add_up_and_a_bias_sums_positions(self):
+        """Terms of two calls of one layer describe the sum of their
+        gradients; a bias (`x=None`) sums its output gradients."""
+        x1, g1 = self.normal(3, 4, 5), self.normal(3, 4, 2)
+        x2, g2 = self.normal(3, 1, 5), self.normal(3, 1, 2)
+        terms = [
+            ghost.Product(x1, g1, "tc", "to", "co"),
+            ghost.Product(x2[:, 0], g2[:, 0], "c", "o", "co"),
+        ]
+        total = numpy_per_example(x1, g1) + numpy_per_example(x2, g2)
+        self.assertAllClose(
+            ghost.squared_norms(terms),
+            np.sum(total**2, axis=(1, 2)),
+            rtol=1e-5,
+        )
+        bias = ghost.Product(None, g1, "", "to", "o")
+        self.assertAllClose(
+            ghost.squared_norms([bias]),
+            np.sum(g1.sum(axis=1) ** 2, axis=1),
+            rtol=1e-5,
+        )
+
+    @parameterized.named_parameters(("pairs", 20), ("one_hot", 3))
+    def test_rows_equal_the_scattered_table(self, rows):
+        """Rows norms (pairs of equal indices, or a one-hot table when
+        the sequence is longer than the table) and sums equal NumPy's
+        scattered per-example tables."""
+        indices = self.rng.randint(0, rows, size=(4, 6))
+        g, shared = self.normal(4, 6, 3), self.normal(rows, 3)
+        factors = self.rng.uniform(size=4)
+        tables = np.zeros((4, rows, 3))
+        for b, t in np.ndindex(4, 6):
+            tables[b, indices[b, t]] += g[b, t]
+        term = ghost.Rows(indices, g, rows)
+        self.assertAllClose(
+            ghost.squared_norms([term], shared),
+            np.sum((tables + shared) ** 2, axis=(1, 2)),
+            rtol=1e-5,
+        )
+        self.assertAllClose(
+            ghost.weighted_sum([term], factors, (rows, 3), shared),
+            np.einsum("b,brq->rq", factors, tables) + factors.sum() * shared,
+            rtol=1e-5,
+            atol=1e-5,
+        )
+
+    def test_lora_terms_equal_the_chain_rule(self):
+        """LoRA's A and B terms equal `scale * G B^T` and `scale * A^T G`
+        of each example's merged-kernel gradient G."""
+        x, g = self.normal(3, 4, 5), self.normal(3, 4, 6)
+        a, b = self.normal(5, 2), self.normal(2, 6)
+        kernel = numpy_per_example(x, g)
+        term_a, term_b = ghost.lora_products(
+            ghost.Product(x, g, "tc", "to", "co"), a, b, 1.5
+        )
+        self.assertAllClose(
+            ghost.squared_norms([term_a]),
+            np.sum((1.5 * kernel @ b.T) ** 2, axis=(1, 2)),
+            rtol=1e-5,
+        )
+        self.assertAllClose(
+            ghost.squared_norms([term_b]),
+            np.sum((1.5 * a.T @ kernel) ** 2, axis=(1, 2)),
+            rtol=1e-5,
+        )
+
+    @parameterized.named_parameters(
+        ("valid", "valid", (1, 1), (1, 1)),
+        ("same_strided", "same", (2, 2), (1, 1)),
+        ("same_dilated", "same", (1, 1), (2, 2)),
+        ("valid_uneven_strides", "valid", (2, 1), (1, 1)),
+    )
+    def test_conv_patches_times_kernel_is_the_convolution(
+        self, padding, strides, dilation
+    ):
+        """The patches contracted with a kernel equal the backend's own
+        convolution (padding, strides, dilation)."""
+        inputs, kernel = self.normal(2, 9, 8, 3), self.normal(3, 2, 3, 4)
+        patches = ghost.conv_patches(inputs, (3, 2), strides, padding, dilation)
+        expected = ops.conv(
+            inputs,
+            kernel,
+            strides=strides,
+            padding=padding,
+            dilation_rate=dilation,
+        )
+        self.assertAllClose(
+            np.einsum("bijuvc,uvcf->bijf", patches, kernel),
+            expected,
+            atol=1e-5,
+        )
+
+    def test_causal_patches_match_a_causal_conv1d(self):
+        """Causal padding (before the sequence) matches Keras' Conv1D."""
+        conv = L.Conv1D(4, 3, padding="causal", dilation_rate=2)
+        inputs = self.normal(2, 10, 3)
+        expected = testing.to_numpy(conv(inputs))
+        patches = ghost.conv_patches(inputs, (3,), (1,), "causal", (2,))
+        self.assertAllClose(
+            np.einsum(
+                "biuc,ucf->bif", patches, ops.convert_to_numpy(conv.kernel)
+            )
+            + ops.convert_to_numpy(conv.bias),
+            expected,
+            atol=1e-5,
+        )
+
+    def test_a_zero_factor_drops_a_nan_example(self):
+        """An example whose factor is 0 contributes exactly zero to the
+        sum, even when its tensors hold NaN."""
+        x, g = self.normal(3, 1, 2), self.normal(3, 1, 2)
+        x[1, 0, 0] = np.nan
+        total = ghost.weighted_sum(
+            [ghost.Product(x, g, "tc", "to", "co")],
+            np.array([1.0, 0.0, 1.0]),
+            (2, 2),
+        )
+        per_example = numpy_per_example(x, g)
+        self.assertAllClose(total, per_example[0] + per_example[2], rtol=1e-5)
+
+
+class GhostClippingTest(testing.TestCase):
+    @parameterized.named_parameters(
+        *distinct(
+            *[(f"dense_{n}", "dense", m) for n, m in testing.EXECUTION_MODES],
+            *[
+                (name, name, TRACED)
+                for name in MODELS
+                if name not in ("dense", "regularized")
+            ],
+            ("sequence_compiled", "sequence", testing.compiled()),
+            ("lora_eager", "lora", dict(run_eagerly=True)),
+            ("regularized_eager", "regularized", dict(run_eagerly=True)),
+            (
+                "regularized_looped",
+                "regularized",
+                {**TRACED, **testing.looped(2)},
+            ),
+        )
+    )
+    def test_fit_equals_the_vectorized_path(self, name, mode):
+        """Noiseless fit (4 SGD steps) on the ghost path gives the weights
+        and clipped share of the per-example gradients' path."""
+        x, y = data(name)
+        ghostly, ghost_share = fit(name, "ghost", mode, x, y)
+        weights, share = vectorized(name, x, y)
+        self.assertEqual(ghostly.per_example_clipping, "ghost")
+        self.assertBetween(share, 0.1, 0.9)  # the bound matters
+        self.assertAllClose(ghost_share, share, atol=1e-6)
+        self.assertAllClose(ghostly.get_weights(), weights, atol=1e-6)
+
+    @parameterized.named_parameters(
+        ("dense_eager", "dense", dict(run_eagerly=True)),
+        ("regularized", "regularized", TRACED),
+        ("conv2d", "conv2d", TRACED),
+    )
+    def test_sample_weights_and_zero_weight_examples(self, name, mode):
+        """Sample weights, a quarter of them 0, weigh each example's loss
+        as on the vectorized path; an example of weight 0 contributes
+        nothing, `model.losses` included (the padding rule)."""
+        x, y = data(name)
+        weights = np.random.RandomState(3).uniform(0, 2, len(x))
+        weights[::4] = 0.0
+        weights = weights.astype("float32")
+        ghostly, ghost_share = fit(name, "ghost", mode, x, y, weights)
+        expected, share = vectorized(name, x, y, weights)
+        self.assertAllClose(ghost_share, share, atol=1e-6)
+        self.assertAllClose(ghostly.get_weights(), expected, atol=1e-6)
+
+    def test_poisson_batches_with_padding_equal_the_vectorized_path(self):
+        """Padded Poisson batches (rows of weight 0) of a regularized model,
+        divided by the expected batch size, train as on the vectorized
+        path: padding rows add no regularizer gradient."""
+        x, y = data("regularized")
+        weights = []
+        for method in ("ghost", "vectorized"):
+            # Half a batch expected, padded to BATCH rows: one shape (no
+            # new compilation), many padding rows.
+            sampler = sampling.PoissonSampler(
+                x, y, batch_size=BATCH // 2, seed=7, pad_to_multiple_of=BATCH
+            )
+            model = private(
+                "regularized",
+                method,
+                {**TRACED, **testing.looped(3)},
+                expected_batch_size=sampler.batch_size,
+            )
+            # Not shuffled: both models see the batches in the same order.
+            model.fit(sampler, shuffle=False, verbose=0)
+            weights.append(model.get_weights())
+        self.assertAllClose(weights[0], weights[1], atol=1e-6)
+
+    def test_a_nan_example_is_zeroed_as_on_the_vectorized_path(self):
+        """An example with a NaN input contributes zero and the update
+        stays finite, as on the vectorized path."""
+        x, y = data("dense")
+        x[5, 1] = np.nan
+        ghostly, ghost_share = fit("dense", "ghost", TRACED, x, y)
+        weights, share = vectorized("dense", x, y)
+        self.assertTrue(all(np.all(np.isfinite(w)) for w in ghostly.weights))
+        self.assertAllClose(ghost_share, share, atol=1e-6)
+        self.assertAllClose(ghostly.get_weights(), weights, atol=1e-6)
+
+
+class AddedLoss(L.Layer):
+    """Adds a loss of each example's activations in its call."""
+
+    def call(self, inputs):
+        self.add_loss(0.1 * ops.mean(ops.square(inputs)))
+        return inputs
+
+
+class Scale(L.Layer):
+    """A custom layer with a trainable weight of its own."""
+
+    def build(self, input_shape):
+        self.scale = self.add_weight(shape=(), initializer="ones")
+
+    def call(self, inputs):
+        return inputs * self.scale
+
+
+class Block(L.Layer):
+    """A custom layer calling a Dense of its own (code Keras did not
+    write)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.inner = L.Dense(3)
+
+    def call(self, inputs):
+        return self.inner(inputs)
+
+
+def with_layer(layer, model_class=keras.Model, **kwargs):
+    """A Dense, `layer`, Dense logits."""
+    inputs = keras.Input((4,))
+    hidden = layer(L.Dense(3, activation="relu")(inputs))
+    return model_class(inputs, L.Dense(3)(hidden), **kwargs)
+
+
+class ClippingMethodTest(testing.TestCase):
+    def test_auto_chooses_ghost_and_says_why(self):
+        """A model of Dense layers takes the ghost path, by default."""
+        model = dense_model(PrivateNet, l2_norm_clip=1.0, noise_multiplier=1.0)
+        self.assertEqual(model.clipping_method, "auto")
+        self.assertEqual(model.per_example_clipping, "ghost")
+        self.assertIn("Dense", model.per_example_clipping_reason)
+
+    @parameterized.named_parameters(
+        ("own_weight", lambda: Scale(name="scale"), "'scale' (Scale)"),
+        (
+            "layer_norm",
+            lambda: L.LayerNormalization(name="norm"),
+            "'norm' (LayerNormalization)",
+        ),
+        ("custom_caller", lambda: Block(name="block"), "'block' (Block)"),
+        (
+            "lambda",
+            lambda: L.Lambda(lambda t: 2.0 * t, name="double"),
+            "'double' (Lambda)",
+        ),
+        (
+            "activity_regularizer",
+            lambda: L.ActivityRegularization(0.1, name="act"),
+            "'act' (ActivityRegularization)",
+        ),
+    )
+    def test_auto_falls_back_naming_the_layer(self, make, named):
+        """A layer ghost clipping cannot handle (or code that could read
+        weights elsewhere) sends `auto` to the vectorized path, and the
+        reason names it."""
+        model = with_layer(
+            make(), PrivateNet, l2_norm_clip=1.0, noise_multiplier=1.0
+        )
+        self.assertEqual(model.per_example_clipping, "vectorized")
+        self.assertIn(named, model.per_example_clipping_reason)
+
+    def test_microbatches_take_the_vectorized_path(self):
+        """Microbatches of several examples are clipped as one: no ghost
+        norm."""
+        model = dense_model(
+            PrivateNet,
+            l2_norm_clip=1.0,
+            noise_multiplier=1.0,
+            num_microbatches=4,
+        )
+        self.assertEqual(model.per_example_clipping, "vectorized")
+        self.assertIn("num_microbatches=4", model.per_example_clipping_reason)
+
+    def test_ghost_refuses_a_model_it_cannot_handle_naming_the_layer(self):
+        """`clipping_method="ghost"` on an unsupported layer raises at fit
+        (and when asked), naming the layer and the fix."""
+        model = with_layer(
+            Scale(name="scale"),
+            PrivateNet,
+            l2_norm_clip=1.0,
+            noise_multiplier=1.0,
+            clipping_method="ghost",
+        )
+        model.compile(optimizer="sgd", loss=testing.sparse_crossentropy())
+        x, y = testing.classification_data(samples=8, features=4)
+        message = r"'scale' \(Scale\).*Received: clipping_method='ghost'"
+        with self.assertRaisesRegex(ValueError, message):
+            model.fit(x, y, verbose=0)
+        with self.assertRaisesRegex(ValueError, "'vectorized'"):
+            model.per_example_clipping  # noqa: B018
+
+    def test_ghost_trusts_custom_callers(self):
+        """`clipping_method="ghost"` accepts a custom layer calling a
+        Dense, and trains as the vectorized path."""
+        x, y = testing.classification_data(samples=4 * BATCH, features=4)
+        weights = []
+        for method in ("ghost", "vectorized"):
+            model = randomized(
+                with_layer(
+                    Block(),
+                    PrivateNet,
+                    l2_norm_clip=0.5,
+                    noise_multiplier=0.0,
+                    clipping_method=method,
+                )
+            )
+            model.compile(
+                optimizer=keras.optimizers.SGD(RATE),
+                loss=testing.sparse_crossentropy(),
+            )
+            model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+            self.assertEqual(model.per_example_clipping, method)
+            weights.append(model.get_weights())
+        self.assertAllClose(weights[0], weights[1], atol=1e-6)
+
+    def test_a_loss_added_in_a_call_is_found_at_the_first_step(self):
+        """A weightless custom layer adding a loss of its inputs passes the
+        static check; the first step sees the loss and takes the
+        vectorized path (and says so), training as it; with
+        `clipping_method="ghost"` it raises."""
+        x, y = testing.classification_data(samples=4 * BATCH, features=4)
+        weights, reasons = [], []
+        for method in ("auto", "vectorized"):
+            model = randomized(
+                with_layer(
+                    AddedLoss(),
+                    PrivateNet,
+                    l2_norm_clip=0.5,
+                    noise_multiplier=0.0,
+                    clipping_method=method,
+                )
+            )
+            model.compile(
+                optimizer=keras.optimizers.SGD(RATE),
+                loss=testing.sparse_crossentropy(),
+            )
+            if method == "auto":
+                self.assertEqual(model.per_example_clipping, "ghost")
+            model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+            self.assertEqual(model.per_example_clipping, "vectorized")
+            weights.append(model.get_weights())
+            reasons.append(model.per_example_clipping_reason)
+        self.assertIn("add_loss", reasons[0])
+        self.assertAllClose(weights[0], weights[1], atol=1e-6)
+        model = with_layer(
+            AddedLoss(),
+            PrivateNet,
+            l2_norm_clip=0.5,
+            noise_multiplier=0.0,
+            clipping_method="ghost",
+        )
+        model.compile(optimizer="sgd", loss=testing.sparse_crossentropy())
+        with self.assertRaisesRegex(ValueError, "add_loss"):
+            model.fit(x, y, batch_size=BATCH, verbose=0)
+
+    def test_a_sum_reduction_equals_the_vectorized_path(self):
+        """A loss reduced by "sum" (each example's loss, not divided by the
+        batch size) trains as on the vectorized path."""
+        x, y = data("dense")
+        weights = []
+        for method in ("ghost", "vectorized"):
+            model = dense_model(
+                PrivateNet,
+                l2_norm_clip=8.0,
+                noise_multiplier=0.0,
+                clipping_method=method,
+            )
+            model.compile(
+                optimizer=keras.optimizers.SGD(0.01),
+                loss=keras.losses.SparseCategoricalCrossentropy(
+                    from_logits=True, reduction="sum"
+                ),
+            )
+            model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+            weights.append(model.get_weights())
+        self.assertAllClose(weights[0], weights[1], atol=1e-6)
+
+    def test_a_fixed_loss_scale_is_divided_out(self):
+        """With the optimizer's `loss_scale_factor`, the output gradients
+        are loss-scaled: divided out before the norms, as on the
+        vectorized path."""
+        x, y = data("dense")
+        weights = []
+        for method in ("ghost", "vectorized"):
+            model = dense_model(
+                PrivateNet,
+                l2_norm_clip=2.0,
+                noise_multiplier=0.0,
+                clipping_method=method,
+            )
+            model.compile(
+                optimizer=keras.optimizers.SGD(RATE, loss_scale_factor=64.0),
+                loss=testing.sparse_crossentropy(),
+            )
+            model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+            weights.append(model.get_weights())
+        self.assertAllClose(weights[0], weights[1], atol=1e-6)
+
+    def test_a_custom_loss_takes_the_vectorized_path(self):
+        """A loss function of the user's may reduce the batch itself: the
+        first step takes the vectorized path, and says why."""
+        x, y = data("dense")
+
+        def loss(y_true, y_pred):
+            return testing.sparse_crossentropy()(y_true, y_pred)
+
+        model = dense_model(PrivateNet, l2_norm_clip=2.0, noise_multiplier=0.0)
+        model.compile(optimizer="sgd", loss=loss)
+        model.fit(x, y, batch_size=BATCH, verbose=0)
+        self.assertEqual(model.per_example_clipping, "vectorized")
+        self.assertIn("custom function", model.per_example_clipping_reason)
+
+    def test_a_loss_of_the_whole_batch_takes_the_vectorized_path(self):
+        """Keras' Dice loss without an `axis` is one number for the whole
+        batch, not a sum over examples: the first step takes the
+        vectorized path, and says why."""
+        x, y = data("dense")
+        model = dense_model(PrivateNet, l2_norm_clip=2.0, noise_multiplier=0.0)
+        model.compile(optimizer="sgd", loss=keras.losses.Dice())
+        model.fit(x, np.eye(3, dtype="float32")[y], batch_size=BATCH, verbose=0)
+        self.assertEqual(model.per_example_clipping, "vectorized")
+        self.assertIn("whole batch", model.per_example_clipping_reason)
+
+    def test_bad_values_are_named(self):
+        """An unknown method, or "ghost" with microbatches, is refused
+        naming the values and the fix."""
+        with self.assertRaisesRegex(
+            ValueError, "Received: clipping_method='fast'"
+        ):
+            dense_model(
+                PrivateNet,
+                l2_norm_clip=1.0,
+                noise_multiplier=1.0,
+                clipping_method="fast",
+            )
+        with self.assertRaisesRegex(
+            ValueError, "clipping_method='ghost', num_microbatches=4"
+        ):
+            dense_model(
+                PrivateNet,
+                l2_norm_clip=1.0,
+                noise_multiplier=1.0,
+                clipping_method="ghost",
+                num_microbatches=4,
+            )
+
+    def test_clipping_method_survives_config_and_saving(self):
+        """get_config, from_config and a .keras file keep the option."""
+        model = dense_model(
+            PrivateNet,
+            l2_norm_clip=1.0,
+            noise_multiplier=1.0,
+            clipping_method="vectorized",
+        )
+        self.assertEqual(model.get_config()["clipping_method"], "vectorized")
+        path = os.path.join(tempfile.mkdtemp(), "ghost.keras")
+        model.save(path)
+        for copy in (
+            PrivateNet.from_config(model.get_config()),
+            keras.saving.load_model(
+                path, custom_objects={"PrivateNet": PrivateNet}
+            ),
+        ):
+            self.assertEqual(copy.clipping_method, "vectorized")
+            self.assertEqual(copy.per_example_clipping, "vectorized")

@@ -171,11 +171,7 @@ class KerasModel(_ModelBase):
         Returns:
             The train function.
         """
-        if getattr(self, "train_function", None) is None or force:
-            self.train_function = _step_functions.make(
-                self, "train", lambda: self._keras_function("train", force)
-            )
-        return self.train_function
+        return self._step_function("train", force)
 
     def make_test_function(self, force: bool = False) -> StepFunction:
         """Builds the test function (see `custom_fit._step_functions`).
@@ -186,11 +182,20 @@ class KerasModel(_ModelBase):
         Returns:
             The test function.
         """
-        if getattr(self, "test_function", None) is None or force:
-            self.test_function = _step_functions.make(
-                self, "test", lambda: self._keras_function("test", force)
+        return self._step_function("test", force)
+
+    def _step_function(self, kind: str, force: bool) -> StepFunction:
+        """Builds (unless one exists) and returns the `kind` function."""
+        attribute = f"{kind}_function"
+        if getattr(self, attribute, None) is None or force:
+            setattr(
+                self,
+                attribute,
+                _step_functions.make(
+                    self, kind, lambda: self._keras_function(kind, force)
+                ),
             )
-        return self.test_function
+        return getattr(self, attribute)
 
     def _keras_function(self, kind: str, force: bool) -> StepFunction:
         """Returns Keras' own train (or test) function, built by Keras."""

@@ -512,6 +512,25 @@ def with_layer(layer, model_class=keras.Model, **kwargs):
     return model_class(inputs, L.Dense(3)(hidden), **kwargs)
 
 
+def compiled_with_layer(layer, method):
+    """A noiseless private model around `layer`, with `clipping_method`
+    `method`, randomized and compiled with SGD."""
+    model = randomized(
+        with_layer(
+            layer,
+            PrivateNet,
+            l2_norm_clip=0.5,
+            noise_multiplier=0.0,
+            clipping_method=method,
+        )
+    )
+    model.compile(
+        optimizer=keras.optimizers.SGD(RATE),
+        loss=testing.sparse_crossentropy(),
+    )
+    return model
+
+
 class ClippingMethodTest(testing.TestCase):
     def test_auto_chooses_ghost_and_says_why(self):
         """A model of Dense layers takes the ghost path, by default."""
@@ -585,19 +604,7 @@ class ClippingMethodTest(testing.TestCase):
         x, y = testing.classification_data(samples=4 * BATCH, features=4)
         weights = []
         for method in ("ghost", "vectorized"):
-            model = randomized(
-                with_layer(
-                    Block(),
-                    PrivateNet,
-                    l2_norm_clip=0.5,
-                    noise_multiplier=0.0,
-                    clipping_method=method,
-                )
-            )
-            model.compile(
-                optimizer=keras.optimizers.SGD(RATE),
-                loss=testing.sparse_crossentropy(),
-            )
+            model = compiled_with_layer(Block(), method)
             model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
             self.assertEqual(model.per_example_clipping, method)
             weights.append(model.get_weights())
@@ -611,19 +618,7 @@ class ClippingMethodTest(testing.TestCase):
         x, y = testing.classification_data(samples=4 * BATCH, features=4)
         weights, reasons = [], []
         for method in ("auto", "vectorized"):
-            model = randomized(
-                with_layer(
-                    AddedLoss(),
-                    PrivateNet,
-                    l2_norm_clip=0.5,
-                    noise_multiplier=0.0,
-                    clipping_method=method,
-                )
-            )
-            model.compile(
-                optimizer=keras.optimizers.SGD(RATE),
-                loss=testing.sparse_crossentropy(),
-            )
+            model = compiled_with_layer(AddedLoss(), method)
             if method == "auto":
                 self.assertEqual(model.per_example_clipping, "ghost")
             model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)

@@ -45,6 +45,19 @@ class KerasModel(_ModelBase):
     Keras (`super()`) and adds what custom_fit needs.
     """
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Leaves `layers` a plain attribute where Keras has no property.
+
+        A custom_fit trainer mixed into a `keras.layers.Layer` (as Keras'
+        own `Trainer` can be) may keep its sublayers in `self.layers`, as
+        on any layer: only a `keras.Model` reserves that name.
+        """
+        super().__init_subclass__(**kwargs)
+        if _keras_property_or_none(cls, "layers") is None and any(
+            issubclass(klass, keras.layers.Layer) for klass in cls.__mro__
+        ):
+            cls.layers = _LayerAttribute()  # type: ignore[assignment]
+
     @property
     def layers(self) -> list[keras.layers.Layer]:
         """The model's layers, as in Keras.
@@ -114,6 +127,9 @@ class KerasModel(_ModelBase):
             self._registries()
         )
 
+    def _configure_if_needed(self) -> None:
+        """Configures the options where `__init__` did not (the mixin's)."""
+
     def _keras_metrics(self) -> list[keras.metrics.Metric]:
         """Keras' own metrics of the model, without those of `report_metric`."""
         return super().metrics
@@ -158,6 +174,7 @@ class KerasModel(_ModelBase):
         Returns:
             A `History` object, as `keras.Model.fit` returns.
         """
+        self._configure_if_needed()
         for model in _model_state.models_in(self):
             _model_state.state_of(model).guard.restart()
         return super().fit(*args, **kwargs)
@@ -186,6 +203,7 @@ class KerasModel(_ModelBase):
 
     def _step_function(self, kind: str, force: bool) -> StepFunction:
         """Builds (unless one exists) and returns the `kind` function."""
+        self._configure_if_needed()
         attribute = f"{kind}_function"
         if getattr(self, attribute, None) is None or force:
             setattr(
@@ -273,12 +291,36 @@ def _keras_property(model: Any, name: str) -> property:
     Raises:
         AttributeError: If no class after `KerasModel` defines one.
     """
-    mro = type(model).__mro__
+    found = _keras_property_or_none(type(model), name)
+    if found is None:
+        raise AttributeError(f"No Keras property {name!r} on {type(model)}.")
+    return found
+
+
+def _keras_property_or_none(cls: type, name: str) -> property | None:
+    """Returns Keras' property `name` of `cls` (after ours), or `None`."""
+    mro = cls.__mro__
     for klass in mro[mro.index(KerasModel) + 1 :]:
         found = vars(klass).get(name)
         if isinstance(found, property):
             return found
-    raise AttributeError(f"No Keras property {name!r} on {type(model)}.")
+    return None
+
+
+class _LayerAttribute:
+    """`layers` on a layer that is no `keras.Model`: an ordinary attribute.
+
+    A non-data descriptor: an assignment goes through the layer's own
+    `__setattr__` (Keras tracks the sublayers) into the instance, which then
+    shadows this; before one, reading it fails as on any layer.
+    """
+
+    def __get__(self, instance: object, owner: type | None = None) -> Any:
+        if instance is None:
+            return self
+        raise AttributeError(
+            f"{type(instance).__name__!r} object has no attribute 'layers'"
+        )
 
 
 def _takes_keyword(function: Callable[..., Any], name: str) -> bool:

@@ -54,6 +54,67 @@ def refuse_stateless_step_overrides(cls: type, base: type) -> None:
         )
 
 
+# The packages whose classes hold Keras' own `train_step` (its models and
+# trainers, and the models built on them, such as keras-hub's tasks).
+_KERAS_PACKAGES = ("keras", "keras_hub", "keras_nlp", "keras_cv")
+
+
+def refuse_keras_before_mixins(cls: type, base: type) -> None:
+    """Raises if a Keras class comes before the custom_fit mixins in `cls`.
+
+    Python looks methods up along the MRO: with `keras.Model` (or another
+    Keras class) first, Keras' `__init__` and `train_step` run and the
+    mixins never do, so their options are dropped and training runs as
+    plain Keras without a word.
+
+    Args:
+        cls: The class being created.
+        base: `TrainStepMixin`.
+
+    Raises:
+        TypeError: Naming the Keras class that comes first and showing the
+            class statement in the right order.
+    """
+    mro = cls.__mro__
+    first = next(
+        (
+            klass
+            for klass in mro[: mro.index(base)]
+            if not issubclass(klass, base)
+            and klass.__module__.split(".")[0] in _KERAS_PACKAGES
+        ),
+        None,
+    )
+    if first is None:
+        return
+    ours = [b for b in cls.__bases__ if issubclass(b, base)]
+    others = [b for b in cls.__bases__ if not issubclass(b, base)]
+    received = ", ".join(_qualified(b) for b in cls.__bases__)
+    fixed = ", ".join(_qualified(b) for b in ours + others)
+    raise TypeError(
+        f"`{cls.__name__}` puts the Keras class `{first.__name__}` before "
+        "the custom_fit mixins in its bases, so Keras' own `__init__` and "
+        "`train_step` would run and the mixins' options and hooks would be "
+        f"ignored. Received: class {cls.__name__}({received}). Put the "
+        f"custom_fit mixins first: class {cls.__name__}({fixed})."
+    )
+
+
+def _qualified(klass: type) -> str:
+    """Returns how a user names `klass` in a class statement."""
+    root = klass.__module__.split(".")[0]
+    if root == "custom_fit":
+        return f"custom_fit.{klass.__name__}"
+    if root == "keras":
+        public = {
+            "Model": "keras.Model",
+            "Sequential": "keras.Sequential",
+            "Layer": "keras.layers.Layer",
+        }
+        return public.get(klass.__name__, klass.__name__)
+    return klass.__name__
+
+
 def check_transformed(
     gradients: Gradients, transformed: Any, variables: Sequence[Variable]
 ) -> None:

@@ -243,14 +243,17 @@ class TrainStepMixin(
     )
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
-        """Gives each model class a signature that lists its options."""
+        """Checks the order of the bases; lists the options in a signature.
+
+        Raises:
+            TypeError: If a Keras class comes before the custom_fit mixins.
+        """
         super().__init_subclass__(**kwargs)
+        _step_checks.refuse_keras_before_mixins(cls, TrainStepMixin)
         cls.__signature__ = _options.signature(cls)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        backend.check_supported()
-        _step_checks.refuse_stateless_step_overrides(type(self), TrainStepMixin)
-        backend.current().check_strategy()
+        self._check_model()
         options = _options.pop_options(type(self), kwargs)
         _options.refuse_unknown_keywords(type(self), args, kwargs)
         source = _keras_compat.model_being_cloned()
@@ -262,6 +265,23 @@ class TrainStepMixin(
             # keras.models.clone_model builds the clone without keywords.
             options = dict(_model_state.state_of(source).options)
         self._configure_options(options)
+
+    def _check_model(self) -> None:
+        """Raises for a backend, step override or strategy it refuses."""
+        backend.check_supported()
+        _step_checks.refuse_stateless_step_overrides(type(self), TrainStepMixin)
+        backend.current().check_strategy()
+
+    def _configure_if_needed(self) -> None:
+        """Configures the default options of a model built without them.
+
+        A class that mixes the trainer into a `keras.layers.Layer` may call
+        the `__init__` of its Keras bases directly (as Keras' own trainer
+        tests do), so that `TrainStepMixin.__init__` never ran.
+        """
+        if _model_state.state_of(self).guard is None:
+            self._check_model()
+            self._configure_options({})
 
     def _configure_options(self, options: dict[str, Any]) -> None:
         """Validates and stores `options`, then creates the state they need."""

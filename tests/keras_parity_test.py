@@ -238,6 +238,146 @@ class LayersAttributeTest(testing.TestCase):
             model.layers = []
         self.assertEqual(str(raised.exception), str(expected.exception))
 
+    def test_subclassed_model_gives_keras_error(self):
+        """A subclassed custom_fit model keeps Keras' "reserved" message."""
+
+        def assign(model_class):
+            class Assigning(model_class):
+                def __init__(self):
+                    super().__init__()
+                    self.layers = []
+
+            with self.assertRaises(AttributeError) as raised:
+                Assigning()
+            return str(raised.exception)
+
+        # A fresh class: building `Net` functionally rebased it on Keras'
+        # `Functional`.
+        class Subclassed(custom_fit.GradientClippingMixin, keras.Model):
+            pass
+
+        self.assertEqual(assign(Subclassed), assign(keras.Model))
+
+
+def deep_layer_model(trainers, dtype):
+    """Keras' own `DeepModel` of its loss-scaling test: a trainer mixed into
+    a plain `keras.layers.Layer`, keeping 15 sigmoid Dense layers in
+    `self.layers`, with `trainers` as the trainer bases."""
+
+    class DeepModel(*trainers, keras.layers.Layer):
+        def __init__(self):
+            keras.layers.Layer.__init__(self, dtype=dtype)
+            KERAS_TRAINER.__init__(self)
+            self.layers = []
+            for _ in range(15):
+                self.layers.append(
+                    keras.layers.Dense(
+                        1,
+                        use_bias=False,
+                        kernel_initializer="ones",
+                        activation="sigmoid",
+                        dtype=dtype,
+                    )
+                )
+
+        def call(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    return DeepModel()
+
+
+# The backend's Keras trainer (TensorFlowTrainer, JAXTrainer, TorchTrainer):
+# keras.Model's first base.
+KERAS_TRAINER = keras.Model.__mro__[1]
+
+
+class LayerTrainerTest(testing.TestCase):
+    @parameterized.named_parameters(("scaled", True), ("unscaled", False))
+    def test_trainer_on_a_layer_equals_keras(self, auto_scale_loss):
+        """A custom_fit trainer mixed into a `keras.layers.Layer` keeps its
+        sublayers in `self.layers` and trains, with or without loss scaling,
+        to the weights of the same class with Keras' own trainer."""
+        # Half precision does not run on PyTorch's CPU (Keras skips its test
+        # there); float32 still proves the attribute and the step.
+        dtype = "float32" if testing.BACKEND == "torch" else "mixed_float16"
+        weights = []
+        for trainers in (
+            (KERAS_TRAINER,),
+            (custom_fit.TrainStepMixin, KERAS_TRAINER),
+        ):
+            model = deep_layer_model(trainers, dtype)
+            self.assertLen(model.layers, 15)
+            model.compile(
+                keras.optimizers.SGD(learning_rate=1e9),
+                loss="mse",
+                auto_scale_loss=auto_scale_loss,
+            )
+            model.fit(np.ones((1, 1)), np.ones((1, 1)), batch_size=1, verbose=0)
+            weights.append([np.asarray(w) for w in model.get_weights()])
+        self.assertAllClose(weights[1], weights[0])
+        if dtype == "mixed_float16":
+            # Keras' own check: without loss scaling the first kernel's
+            # gradient underflows and it stays at one.
+            moved = not np.allclose(weights[0][0], 1.0)
+            self.assertEqual(moved, auto_scale_loss)
+
+
+class BaseOrderTest(testing.TestCase):
+    @parameterized.named_parameters(
+        ("model", lambda: keras.Model, "keras.Model"),
+        ("sequential", lambda: keras.Sequential, "keras.Sequential"),
+        ("subclass", lambda: backbone_class(), "Backbone"),
+    )
+    def test_keras_class_first_refused(self, keras_class, shown):
+        """A mixin placed after a Keras class is refused when the class is
+        made, with the class statement in the right order."""
+        keras_base = keras_class()
+        with self.assertRaisesRegex(
+            TypeError,
+            rf"Received: class Wrong\({shown}, "
+            r"custom_fit.DifferentialPrivacyMixin\)\. Put the custom_fit "
+            r"mixins first: class Wrong\(custom_fit.DifferentialPrivacyMixin, "
+            rf"{shown}\)\.",
+        ):
+            type("Wrong", (keras_base, custom_fit.DifferentialPrivacyMixin), {})
+
+    def test_keras_trainer_first_refused(self):
+        """Keras' backend trainer before the mixin on a plain layer is
+        refused too: its `train_step` would run."""
+        with self.assertRaisesRegex(TypeError, KERAS_TRAINER.__name__):
+            type(
+                "Wrong",
+                (KERAS_TRAINER, custom_fit.TrainStepMixin, keras.layers.Layer),
+                {},
+            )
+
+    def test_user_mixin_between_is_accepted(self):
+        """A user's class before the custom_fit mixins, and a subclass of a
+        correctly ordered model, are accepted."""
+
+        class Recorder:
+            pass
+
+        class Right(Recorder, custom_fit.GradientClippingMixin, keras.Model):
+            pass
+
+        class Sub(Right):
+            pass
+
+        model = testing.mlp(Sub, global_clipnorm=1.0)
+        self.assertEqual(model.global_clipnorm, 1.0)
+
+
+def backbone_class():
+    """A user's own `keras.Model` subclass, as a base."""
+
+    class Backbone(keras.Model):
+        pass
+
+    return Backbone
+
 
 class ConsecutiveSkipsTest(testing.TestCase):
     @parameterized.named_parameters(

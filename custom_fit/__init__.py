@@ -9,6 +9,7 @@ from custom_fit import callbacks
 from custom_fit import clipping
 from custom_fit import ghost
 from custom_fit import inspection
+from custom_fit import options
 from custom_fit import pcgrad
 from custom_fit import pipeline
 from custom_fit import privacy
@@ -42,6 +43,7 @@ __all__ = [
     "clipping",
     "ghost",
     "inspection",
+    "options",
     "pcgrad",
     "pipeline",
     "privacy",

@@ -226,8 +226,8 @@ class Guard:
         norm = clipping.global_norm(gradients)
         spike = spikes.is_spike(
             norm,
-            bound=self._model._option_in_step("skip_gradient_norm_above"),
-            ratio=self._model._option_in_step("skip_gradient_norm_ratio_above"),
+            bound=self._model.option_in_step("skip_gradient_norm_above"),
+            ratio=self._model.option_in_step("skip_gradient_norm_ratio_above"),
             average=self._read(self.norm_average),
             count=self._read(self.norm_count),
             warmup_steps=self._model.gradient_norm_warmup_steps,

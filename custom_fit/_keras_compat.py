@@ -132,7 +132,11 @@ class PrivateOverrides(_ModelBase):
 
         The build traces `compute_loss` once, outside any step (in
         cross-replica context under a strategy); that trace is not a step.
+        A model with no `call` of its own (a GAN whose `train_step` updates
+        its networks) cannot be built from a batch: it counts as built once
+        every layer in it is, and otherwise is refused with the fix.
         """
+        _build_container(self)
         metrics = _model_state.state_of(self).metrics
         muted = metrics.muted
         metrics.muted = True
@@ -142,6 +146,32 @@ class PrivateOverrides(_ModelBase):
             )
         finally:
             metrics.muted = muted
+
+
+def _build_container(model: Any) -> None:
+    """Marks built a model without `call` whose layers are all built.
+
+    Raises:
+        ValueError: Naming its unbuilt layers and how to build them.
+    """
+    own_call = type(model).call not in (
+        keras.Model.call,
+        keras.layers.Layer.call,
+    )
+    if model.built or own_call:
+        return
+    unbuilt = [layer.name for layer in all_layers(model) if not layer.built]
+    if not unbuilt:
+        model.built = True
+        return
+    raise ValueError(
+        f"{type(model).__name__} has no `call` of its own (its `train_step` "
+        "runs its networks), so Keras cannot build it from a batch, and "
+        f"some of its layers are not built yet. Received: the unbuilt "
+        f"layers {unbuilt}. Build each network before `fit`: create it "
+        "from `keras.Input` (a functional model), or call it once on a "
+        "batch."
+    )
 
 
 def per_output_losses(

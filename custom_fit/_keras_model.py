@@ -22,6 +22,7 @@ import keras
 from custom_fit import _keras_compat
 from custom_fit import _model_state
 from custom_fit import _options
+from custom_fit import _step_checks
 from custom_fit import _step_functions
 from custom_fit import _step_metrics
 from custom_fit import backend
@@ -83,11 +84,38 @@ class KerasModel(_ModelBase):
 
     @jit_compile.setter
     def jit_compile(self, value: Any) -> None:
-        # Set by `compile` (not overridden: Keras would then not compile a
-        # loaded model); a setting the backend's step cannot run is
-        # refused here (PyTorch's `torch.compile`).
-        _keras_property(self, "jit_compile").__set__(self, value)
-        backend.current().check_compile(self.jit_compile)
+        # A setting the backend's step cannot run (PyTorch's
+        # `torch.compile`) is refused, and the model keeps its setting.
+        keras_property = _keras_property(self, "jit_compile")
+        previous = keras_property.__get__(self)
+        keras_property.__set__(self, value)
+        try:
+            backend.current().check_compile(self.jit_compile)
+        except ValueError:
+            keras_property.__set__(self, previous)
+            raise
+
+    def compile(self, *args: Any, **kwargs: Any) -> None:
+        """Configures the model for training: `keras.Model.compile`.
+
+        Takes Keras' arguments. A setting custom_fit cannot run is refused
+        before anything changes, so that a refused `compile` leaves the
+        model as it was (its optimizer, loss and `jit_compile`): a
+        `jit_compile` the backend's step cannot run, and an optimizer that
+        accumulates gradients itself.
+
+        Args:
+            *args: The positional arguments of `keras.Model.compile`.
+            **kwargs: Its keyword arguments.
+        """
+        arguments = _KERAS_COMPILE.bind(self, *args, **kwargs).arguments
+        jit_compile = arguments.get("jit_compile", "auto")
+        if jit_compile != "auto" and not arguments.get("run_eagerly"):
+            backend.current().check_compile(jit_compile)
+        optimizer = arguments.get("optimizer")
+        if not isinstance(optimizer, (str, type(None))):
+            _step_checks.refuse_accumulating_optimizer(optimizer)
+        super().compile(*args, **kwargs)
 
     def compile_from_config(self, config: dict[str, Any]) -> None:
         """Compiles a loaded model from its saved compile configuration.
@@ -102,6 +130,10 @@ class KerasModel(_ModelBase):
         Args:
             config: The dict that `get_compile_config()` returned.
         """
+        if type(self).compile is not KerasModel.compile:
+            # The user's own `compile`: Keras says it cannot call it.
+            super().compile_from_config(config)
+            return
         jit_compile = config.get("jit_compile")
         try:
             backend.current().check_compile(jit_compile)
@@ -114,7 +146,11 @@ class KerasModel(_ModelBase):
                 stacklevel=2,
             )
             config = {**config, "jit_compile": "auto"}
-        super().compile_from_config(config)
+        # What Keras' own `compile_from_config` does, which skips a model
+        # whose class overrides `compile` (this one does, above).
+        self.compile(**keras.saving.deserialize_keras_object(config))
+        if getattr(self, "optimizer", None) is not None and self.built:
+            self.optimizer.build(self.trainable_variables)
 
     @property
     def metrics(self) -> list[keras.metrics.Metric]:
@@ -283,6 +319,10 @@ class KerasModel(_ModelBase):
             # Keras built the model some other way: apply them afterwards.
             model._configure_options(options)
         return model
+
+
+# The signature of Keras' `compile` (`Trainer.compile`), `self` included.
+_KERAS_COMPILE = inspect.signature(keras.Model.compile)
 
 
 def _keras_property(model: Any, name: str) -> property:

@@ -42,55 +42,85 @@ _FUNCTIONAL_KEYWORDS = ("inputs", "outputs", "name", "trainable")
 
 
 class Option:
-    """A validated, read-only constructor keyword of a mixin.
+    """A constructor option of a mixin: validated, saved, read-only.
+
+    Declare it as a class attribute of a mixin deriving from
+    `custom_fit.TrainStepMixin`, as custom_fit's own mixins declare theirs.
+    The model's constructor then takes a keyword of the attribute's name: it
+    is validated when the model is built, checked against the options it
+    `requires` and `excludes`, listed in `inspect.signature` and `help()`,
+    saved in `get_config()` and restored by `from_config` and `.keras`
+    loading. Read it as `model.<name>`; assigning it raises, because the
+    training step is traced with it (on every backend alike). A misspelled
+    keyword is refused with "Did you mean", and an option of a mixin the
+    model lacks names the mixin to add.
 
     Args:
         default: The value used when the keyword is not passed.
-        validate: Callable `(name, value) -> value` that raises
-            `ValueError` for a bad value and returns the value to store.
-        requires: Tuple of option names. A value other than `default`
-            has an effect only when one of them is set (not `None` or
-            `False`); otherwise it is refused.
+        validate: Callable `(name, value) -> value` that raises `ValueError`
+            for a bad value and returns the value to store (see the
+            validators of `custom_fit.options`), or `None` to accept any
+            value.
+        requires: Tuple of option names. A value other than `default` has
+            an effect only when one of them is set (not `None` or `False`);
+            otherwise it is refused.
+        excludes: Tuple of option names that cannot be set together with
+            this one (both away from their defaults).
+        schedulable: Bool. The option also accepts a
+            `keras.optimizers.schedules.LearningRateSchedule`, evaluated in
+            the step at the optimizer's update count: read it in the step
+            with `model.option_in_step(name)`, which also reports the value
+            in force under `logged_as`.
+        logged_as: String. The log key of a scheduled option's value in
+            force; defaults to the option's name.
         bound: Bool. The value is a float used in the model's variable
             dtype: it must stay finite and positive there.
         kind: String naming what the option does, shared by options of one
             capability (`"clipping"`): `any_set(model, kind)` tells whether
             the model uses that capability.
-        schedulable: Bool. The option also accepts a
-            `keras.optimizers.schedules.LearningRateSchedule`, evaluated in
-            the step at the optimizer's update count.
-        logged_as: String. The log key under which the value in force of a
-            scheduled option is reported; defaults to the option's name.
         or_capability: String. A class attribute that, when true on the
             model's class, satisfies `requires` too (a mixin that always
             uses the option, such as inspection for `layer_depth`).
+
+    Example:
+
+    ```python
+    class GradientNoiseMixin(custom_fit.TrainStepMixin):
+        gradient_noise_stddev = custom_fit.options.Option(
+            0.0, custom_fit.options.non_negative_float, schedulable=True)
+    ```
     """
 
     def __init__(
         self,
         default: Any,
-        validate: Callable[[str, Any], Any],
+        validate: Callable[[str, Any], Any] | None = None,
         *,
         requires: Sequence[str] = (),
-        bound: bool = False,
-        kind: str = "",
+        excludes: Sequence[str] = (),
         schedulable: bool = False,
         logged_as: str = "",
+        bound: bool = False,
+        kind: str = "",
         or_capability: str = "",
     ) -> None:
         self.default = default
-        self.validate = validate
-        self.requires = tuple(requires)
+        self.validate = validate or _any_value
+        self.requires = _names("requires", requires)
+        self.excludes = _names("excludes", excludes)
         self.bound = bound
         self.kind = kind
         self.schedulable = schedulable
         self.logged_as = logged_as
         self.or_capability = or_capability
         self.name: str | None = None
+        self.owner: type | None = None
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
         self.logged_as = self.logged_as or name
+        self.owner = owner
+        _OWNERS.setdefault(name, []).append(owner)
 
     def __get__(self, instance: object, owner: type | None = None) -> Any:
         if instance is None:
@@ -107,6 +137,28 @@ class Option:
             f"{self.name}={value!r}. Pass it to the constructor instead, or "
             "rebuild the model from a modified `get_config()`."
         )
+
+
+# Option name -> the classes that declare one of that name, custom_fit's
+# mixins and users' own alike: a keyword a model refuses may be an option of
+# a mixin it lacks.
+_OWNERS: dict[str, list[type]] = {}
+
+
+def _any_value(name: str, value: Any) -> Any:
+    """Accepts any value: the validator of an `Option` declared without."""
+    del name
+    return value
+
+
+def _names(argument: str, names: Any) -> tuple[str, ...]:
+    """Returns option names given to `Option`, checked."""
+    if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+        raise ValueError(
+            f"`{argument}` must be a tuple of option names. Received: "
+            f"{argument}={names!r}. Pass for example {argument}=('clipnorm',)."
+        )
+    return tuple(names)
 
 
 def declared_options(cls: type) -> dict[str, Option]:
@@ -242,18 +294,74 @@ def refuse_unknown_keywords(
     for key in kwargs:
         if functional and key in _FUNCTIONAL_KEYWORDS:
             continue
+        received = f"Received: {key}={kwargs[key]!r}."
+        if key in _OWNERS:
+            raise ValueError(_missing_mixin(cls, key, received))
         close = difflib.get_close_matches(key, options, n=1, cutoff=0.75)
-        if not (functional or close):
-            continue
-        hint = (
-            f"Did you mean `{close[0]}`?"
-            if close
-            else f"The options of {cls.__name__} are: {options}."
+        elsewhere = difflib.get_close_matches(
+            key, list(_OWNERS), n=1, cutoff=0.75
         )
+        if close:
+            hint = f"Did you mean `{close[0]}`?"
+        elif elsewhere:
+            owners = _owner_names(elsewhere[0])
+            hint = (
+                f"Did you mean `{elsewhere[0]}`? It is an option of "
+                f"{owners}, which {cls.__name__} does not have: add it to "
+                f"the bases of {cls.__name__}."
+            )
+        elif functional:
+            hint = f"The options of {cls.__name__} are: {options}."
+        else:
+            continue
         raise ValueError(
             f"{cls.__name__} got an unknown keyword argument `{key}`. "
-            f"Received: {key}={kwargs[key]!r}. {hint}"
+            f"{received} {hint}"
         )
+
+
+def _missing_mixin(cls: type, key: str, received: str) -> str:
+    """Says which mixin owns option `key` and how to add it to `cls`."""
+    owners = _owner_names(key)
+    first = _OWNERS[key][0]
+    bases = [shown_class(first)] + [shown_class(base) for base in cls.__bases__]
+    return (
+        f"`{key}` is an option of {owners}, which {cls.__name__} does not "
+        f"have among its bases. {received} Add the mixin to the bases "
+        f"of the model, before the Keras class: class {cls.__name__}"
+        f"({', '.join(bases)})."
+    )
+
+
+def _owner_names(key: str) -> str:
+    """Names the classes that declare option `key`, as a user spells them."""
+    return " or ".join(
+        dict.fromkeys(shown_class(owner) for owner in _OWNERS[key])
+    )
+
+
+# How a user names Keras' base classes (`Functional` is what Keras puts in
+# place of `keras.Model` in the bases of a model built from inputs).
+_KERAS_NAMES = {
+    "Model": "keras.Model",
+    "Functional": "keras.Model",
+    "Sequential": "keras.Sequential",
+    "Layer": "keras.layers.Layer",
+}
+
+
+def shown_class(klass: type) -> str:
+    """Returns how a user names `klass` in a class statement.
+
+    `custom_fit.X` for custom_fit's classes, `keras.Model` and the like for
+    Keras' base classes, else the class's name.
+    """
+    root = klass.__module__.split(".")[0]
+    if root == "custom_fit":
+        return f"custom_fit.{klass.__name__}"
+    if root == "keras":
+        return _KERAS_NAMES.get(klass.__name__, klass.__name__)
+    return klass.__name__
 
 
 def _is_functional_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -299,12 +407,30 @@ def store_options(
 
 
 def _check_requirements(instance: object, name: str, option: Option) -> None:
-    """Raises if `name` is set but none of the options it needs is."""
+    """Raises if `name` is set without the options it needs, or with one.
+
+    One it `requires` must be set with it, none it `excludes`.
+    """
     value = getattr(instance, name)
-    if not option.requires or _same(value, option.default):
+    if _same(value, option.default):
+        return
+    options = declared_options(type(instance))
+    for other in option.excludes:
+        if other in options and not _same(
+            getattr(instance, other), options[other].default
+        ):
+            raise ValueError(
+                f"Pass only one of `{name}` and `{other}`. Received: "
+                f"{name}={value!r}, {other}={getattr(instance, other)!r}. "
+                f"Leave one of them out."
+            )
+    if not option.requires:
         return
     if any(
-        _is_set(getattr(instance, other, None)) for other in option.requires
+        other in options
+        and _is_set(getattr(instance, other))
+        and not _same(getattr(instance, other), options[other].default)
+        for other in option.requires
     ):
         return
     capability = option.or_capability

@@ -5,9 +5,12 @@ early as it can: a step override at construction, the output of
 `transform_gradients` at trace time, an optimizer when an update starts.
 """
 
+import functools
 import inspect
 from collections.abc import Sequence
 from typing import Any
+
+import keras
 
 from custom_fit import _gradient_ops
 from custom_fit import _options
@@ -89,8 +92,8 @@ def refuse_keras_before_mixins(cls: type, base: type) -> None:
         return
     ours = [b for b in cls.__bases__ if issubclass(b, base)]
     others = [b for b in cls.__bases__ if not issubclass(b, base)]
-    received = ", ".join(_qualified(b) for b in cls.__bases__)
-    fixed = ", ".join(_qualified(b) for b in ours + others)
+    received = ", ".join(_options.shown_class(b) for b in cls.__bases__)
+    fixed = ", ".join(_options.shown_class(b) for b in ours + others)
     raise TypeError(
         f"`{cls.__name__}` puts the Keras class `{first.__name__}` before "
         "the custom_fit mixins in its bases, so Keras' own `__init__` and "
@@ -100,19 +103,120 @@ def refuse_keras_before_mixins(cls: type, base: type) -> None:
     )
 
 
-def _qualified(klass: type) -> str:
-    """Returns how a user names `klass` in a class statement."""
-    root = klass.__module__.split(".")[0]
-    if root == "custom_fit":
-        return f"custom_fit.{klass.__name__}"
-    if root == "keras":
-        public = {
-            "Model": "keras.Model",
-            "Sequential": "keras.Sequential",
-            "Layer": "keras.layers.Layer",
-        }
-        return public.get(klass.__name__, klass.__name__)
-    return klass.__name__
+# Public attributes Keras sets on a model instance (not on its class).
+_KERAS_INSTANCE_ATTRIBUTES = frozenset(
+    (
+        "activity_regularizer",
+        "autocast",
+        "built",
+        "compiled",
+        "loss",
+        "name",
+        "optimizer",
+        "output_names",
+        "steps_per_execution",
+        "stop_training",
+        "supports_jit",
+        "trainable",
+    )
+)
+
+
+def refuse_options_hiding_keras(cls: type) -> None:
+    """Raises if an option of `cls` has the name of a Keras attribute.
+
+    An option is a class attribute: one named as a Keras model attribute
+    (`name`, `optimizer`, `loss`) would hide it from Keras itself.
+
+    Raises:
+        TypeError: Naming the option, its class and the Keras class.
+    """
+    keras_classes = [
+        klass
+        for klass in cls.__mro__
+        if klass.__module__.split(".")[0] in _KERAS_PACKAGES
+    ]
+    for name, option in _options.declared_options(cls).items():
+        if name in _KERAS_INSTANCE_ATTRIBUTES or any(
+            hasattr(klass, name) for klass in keras_classes
+        ):
+            owner = getattr(option.owner, "__name__", cls.__name__)
+            raise TypeError(
+                f"The option `{name}` of {owner} has the name of an "
+                "attribute of Keras models, which it would hide. Received: "
+                f"{owner}.{name} = Option(...). Give the option another "
+                "name."
+            )
+
+
+def checked_step(step: Any, kind: str) -> Any:
+    """Wraps a user's `train_step` or `test_step` with checks of its result.
+
+    A step that returns no figure at all is refused on every backend (on
+    TensorFlow Keras fails on it with an error of its own ops), and a
+    network without `minimize` (a plain `keras.Model`) called as a
+    custom_fit one gets the fix in its message.
+
+    Args:
+        step: The function the class defines.
+        kind: `"train_step"` or `"test_step"`.
+
+    Returns:
+        The wrapped function.
+    """
+
+    @functools.wraps(step)
+    def checked(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            logs = step(self, *args, **kwargs)
+        except AttributeError as error:
+            raise _with_fix(self, error) from error
+        if isinstance(logs, dict) and not logs:
+            raise ValueError(
+                f"{type(self).__name__}.{kind} returned no logs: nothing "
+                "would reach the progress bar, History or callbacks "
+                "(and TensorFlow cannot run a step that returns none). "
+                "Received: {}. Report the step's losses with "
+                "self.report_metric('d_loss', loss) and return "
+                "self.get_metrics_result()."
+            )
+        return logs
+
+    checked.custom_fit_checked = True  # type: ignore[attr-defined]
+    return checked
+
+
+def _with_fix(model: Any, error: AttributeError) -> AttributeError:
+    """Returns `error`, or with the fix for a network without `minimize`."""
+    network = getattr(error, "obj", None)
+    if getattr(error, "name", None) != "minimize" or not isinstance(
+        network, keras.Model
+    ):
+        return error
+    # The attribute that holds it (`dir` lists those a backend's layer
+    # keeps outside the instance's `__dict__` too).
+    attribute = next(
+        (
+            name
+            for name in dir(model)
+            if not name.startswith("_")
+            and not hasattr(type(model), name)
+            and getattr(model, name, None) is network
+        ),
+        None,
+    )
+    shown = (
+        f"self.{attribute}" if attribute else f"the network {network.name!r}"
+    )
+    variables = f"self.{attribute}" if attribute else "network"
+    return AttributeError(
+        f"`{shown}` is a plain keras.Model ({type(network).__name__}), which "
+        f"has no `minimize`. Received: {network.name!r}. Build it from a "
+        "custom_fit mixin, so that it gets its own options and hooks (class "
+        "Generator(custom_fit.TrainStepMixin, keras.Model)), or update it "
+        "through this model: self.minimize(loss_function, variables="
+        f"{variables}.trainable_variables, optimizer=...)."
+    )
 
 
 def check_transformed(
@@ -181,6 +285,17 @@ def checked_optimizer(model: Any, optimizer: Optimizer | None) -> Optimizer:
             f"the model {model.name!r} has none. Compile the model, or "
             "pass optimizer=... to `minimize`."
         )
+    refuse_accumulating_optimizer(optimizer)
+    return optimizer
+
+
+def refuse_accumulating_optimizer(optimizer: Optimizer) -> None:
+    """Raises for an optimizer that accumulates gradients itself.
+
+    Raises:
+        ValueError: Naming its `gradient_accumulation_steps` and the
+            model's option to use instead.
+    """
     inner = getattr(optimizer, "inner_optimizer", optimizer)
     steps = max(
         (
@@ -199,7 +314,6 @@ def checked_optimizer(model: Any, optimizer: Optimizer | None) -> Optimizer:
             "optimizer and pass gradient_accumulation_steps="
             f"{steps} to the model's constructor instead."
         )
-    return optimizer
 
 
 def warn_about_optimizer_clipping(model: Any, optimizer: Optimizer) -> None:

@@ -177,6 +177,30 @@ def positive_float(name: str, value: Any) -> float:
     return number
 
 
+def non_negative_float(name: str, value: Any) -> float:
+    """Returns `value` as a float after checking that it is >= 0.
+
+    Args:
+        name: String. The argument's name, used in the error message.
+        value: The value received.
+
+    Returns:
+        `value` as a Python float.
+
+    Raises:
+        ValueError: If `value` is not a finite number greater than or equal
+            to zero.
+    """
+    number = _as_finite_float(value)
+    if number is None or number < 0:
+        raise ValueError(
+            f"`{name}` must be a finite float greater than or equal to 0. "
+            f"Received: {name}={shown(value)}. Pass for example {name}=0.1, "
+            f"or {name}=0.0 to turn it off."
+        )
+    return number
+
+
 def positive_int_or_none(name: str, value: Any) -> int | None:
     """Returns `value` as an int, or `None`, after checking it.
 

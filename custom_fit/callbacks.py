@@ -6,8 +6,10 @@ from the device when, and only when, the callback reads it.
 """
 
 import csv
+import importlib.util
 import math
 import os
+import sys
 import warnings
 import weakref
 from typing import Any
@@ -229,6 +231,7 @@ class GradientTensorBoard(keras.callbacks.Callback):
         histograms: bool | None = None,
     ) -> None:
         super().__init__()
+        _require_tensorboard()
         self.log_dir = _validation.path("log_dir", log_dir, "logs")
         self.update_freq = _update_freq(update_freq)
         self.histograms = _validation.boolean_or_none(
@@ -245,17 +248,6 @@ class GradientTensorBoard(keras.callbacks.Callback):
 
     def on_train_begin(self, logs: Logs | None = None) -> None:
         _check_inspected(self, self.model)
-        try:
-            import tensorboard  # noqa: F401  (tf.summary writes with it)
-            import tensorflow  # noqa: F401
-        except ImportError as error:
-            raise ImportError(
-                "GradientTensorBoard writes TensorBoard events with "
-                "tf.summary, which needs the `tensorflow` and `tensorboard` "
-                "packages (on every Keras backend, as Keras' own TensorBoard "
-                f"callback does). Missing: {error.name}. Install them with "
-                "`pip install 'custom-fit[tensorflow]'`."
-            ) from error
         keeps_gradients = bool(self.model.keep_gradients)
         if self.histograms and not keeps_gradients:
             raise ValueError(
@@ -315,6 +307,39 @@ class GradientTensorBoard(keras.callbacks.Callback):
                     values = np.concatenate([a.ravel() for a in arrays])
                     tf.summary.histogram(f"gradients/{layer}", values)
         self._writer.flush()
+
+
+# What `tf.summary` needs to write TensorBoard events.
+_TENSORBOARD_PACKAGES = ("tensorflow", "tensorboard")
+
+
+def _require_tensorboard() -> None:
+    """Raises, naming every missing package, if `tf.summary` cannot write.
+
+    Raises:
+        ImportError: Naming the missing packages, how to install them, and
+            `GradientNormHistory`, which needs neither.
+    """
+    missing = [name for name in _TENSORBOARD_PACKAGES if not _importable(name)]
+    if not missing:
+        return
+    raise ImportError(
+        "GradientTensorBoard writes TensorBoard events with tf.summary, "
+        "which needs the `tensorflow` and `tensorboard` packages on every "
+        "Keras backend (as Keras' own TensorBoard callback does). Missing: "
+        f"{', '.join(missing)}. Install them with "
+        "`pip install 'custom-fit[tensorflow]'`, or use "
+        "custom_fit.callbacks.GradientNormHistory, which keeps the same "
+        "per-layer norms in memory and writes CSV and PNG without "
+        "TensorFlow."
+    )
+
+
+def _importable(name: str) -> bool:
+    """Returns whether package `name` can be imported, without importing it."""
+    if name in sys.modules:
+        return sys.modules[name] is not None
+    return importlib.util.find_spec(name) is not None
 
 
 class GradientAlarm(keras.callbacks.Callback):
@@ -414,6 +439,10 @@ class GradientAlarm(keras.callbacks.Callback):
         ]
 
 
+# What `PrivacyBudget` does before `max_epsilon` is exceeded.
+_WHEN_EXHAUSTED = ("stop", "warn")
+
+
 class PrivacyBudget(keras.callbacks.Callback):
     """Logs the privacy spent so far, and can stop at a budget.
 
@@ -421,8 +450,12 @@ class PrivacyBudget(keras.callbacks.Callback):
     `custom_fit.privacy.epsilon`, the epsilon that the private steps run so
     far spend at `delta`, and puts it in the epoch's logs as
     `logs["epsilon"]` (History, `CSVLogger`, TensorBoard). With
-    `max_epsilon`, it stops training at the end of the first epoch whose
-    spending passes the budget, and says so.
+    `max_epsilon`, it stops training before the budget is exceeded: when
+    `fit` begins it finds how many private steps the budget allows, and it
+    stops after the last call of the train function that stays within them
+    (`when_exhausted="stop"`, the default), or warns once when the next
+    call would pass it and lets training go on (`"warn"`). A budget already
+    spent when `fit` begins stops it before its first step (`"stop"`).
 
     The model is a `custom_fit.DifferentialPrivacyMixin` model. The steps
     are its `private_steps`: every step the mechanism ran, skipped updates
@@ -449,7 +482,10 @@ class PrivacyBudget(keras.callbacks.Callback):
             `gradient_accumulation_steps=k`, the accountant is told the
             logical batch, `k * batch_size`.
         delta: Float in (0, 1 / num_examples).
-        max_epsilon: Float or `None`. Stop once epsilon exceeds it.
+        max_epsilon: Float or `None`. The budget: stop (or warn) before
+            epsilon exceeds it.
+        when_exhausted: `"stop"` or `"warn"`: what to do before the budget
+            is exceeded. Needs `max_epsilon`.
         accountant: `"rdp"` (default) or `"pld"`; see
             `custom_fit.privacy.epsilon`.
         sampling: `"poisson"`, `"shuffle"` or `None` (chosen from the model
@@ -478,6 +514,7 @@ class PrivacyBudget(keras.callbacks.Callback):
         max_epsilon: float | None = None,
         accountant: str = "rdp",
         sampling: str | None = None,
+        when_exhausted: str = "stop",
     ) -> None:
         super().__init__()
         self.num_examples = _validation.positive_int(
@@ -498,9 +535,24 @@ class PrivacyBudget(keras.callbacks.Callback):
         # Zero steps spend nothing; the call checks `delta` against
         # `num_examples` now, and that dp-accounting is installed.
         privacy.epsilon(0, self.batch_size, self.num_examples, 1.0, delta)
+        self.when_exhausted = _validation.one_of(_WHEN_EXHAUSTED)(
+            "when_exhausted", when_exhausted
+        )
+        if when_exhausted != "stop" and self.max_epsilon is None:
+            raise ValueError(
+                "`when_exhausted` says what to do before `max_epsilon` is "
+                "exceeded, and no max_epsilon is set. Received: "
+                f"when_exhausted={when_exhausted!r}, max_epsilon=None. Pass "
+                "a max_epsilon, or leave when_exhausted out."
+            )
         self.epsilons: list[float] = []
         self._noise = 0.0
         self._logical_batch = self.batch_size
+        # Per fit, with `max_epsilon`: the private steps it allows, those run
+        # before the epoch, and whether the warning was given.
+        self._allowed: int | None = None
+        self._epoch_start = 0
+        self._warned = False
 
     def on_train_begin(self, logs: Logs | None = None) -> None:
         model = self.model
@@ -527,6 +579,113 @@ class PrivacyBudget(keras.callbacks.Callback):
         grouped = model.num_microbatches not in (None, self.batch_size)
         self._noise = float(noise) / (2.0 if grouped else 1.0)
         self.epsilons = []
+        self._warned = False
+        self._allowed = None
+        if self.max_epsilon is not None:
+            self._allowed = self._allowed_steps(self._steps_run())
+            if self._allowed < self._steps_run():
+                self._exhausted(
+                    f"the budget is already spent: "
+                    f"{self._steps_run()} private steps ran"
+                )
+                if self.when_exhausted == "stop":
+                    raise RuntimeError(
+                        "PrivacyBudget: the private steps run so far "
+                        f"({self._steps_run()}) already spend more than "
+                        f"max_epsilon={self.max_epsilon}, so this fit would "
+                        "spend more. Received: max_epsilon="
+                        f"{self.max_epsilon}. Train no further, or pass a "
+                        "larger max_epsilon."
+                    )
+
+    def _steps_run(self) -> int:
+        """The private steps the model ran so far (a read from the device)."""
+        model = self.model
+        updates = int(keras.ops.convert_to_numpy(model.optimizer.iterations))
+        return max(model.private_steps, updates)
+
+    def _spent(self, steps: int) -> float:
+        """The epsilon that `steps` private steps spend."""
+        return privacy.epsilon(
+            steps,
+            self._logical_batch,
+            self.num_examples,
+            self._noise,
+            self.delta,
+            self.accountant,
+            self.sampling or "shuffle",
+        )
+
+    def _allowed_steps(self, done: int) -> int:
+        """Returns the most private steps within `max_epsilon`.
+
+        Searched from `done` to the end of this fit (`done - 1` when even
+        `done` spends more); for data of unknown length, by doubling.
+        """
+        budget = self.max_epsilon
+        assert budget is not None  # noqa: S101  (set by the caller)
+        if self._spent(done) > budget:
+            return done - 1
+        per_epoch = self.params.get("steps")
+        accumulation = self.model.gradient_accumulation_steps or 1
+        if per_epoch:
+            batches = self.params.get("epochs", 1) * per_epoch
+            high = done + -(-batches // accumulation)
+            if self._spent(high) <= budget:
+                return high
+        else:
+            high = max(2 * done, 1)
+            while self._spent(high) <= budget:
+                high *= 2
+        low = done  # within the budget; `high` is past it
+        while high - low > 1:
+            middle = (low + high) // 2
+            if self._spent(middle) <= budget:
+                low = middle
+            else:
+                high = middle
+        return low
+
+    def on_epoch_begin(self, epoch: int, logs: Logs | None = None) -> None:
+        if self._allowed is not None:
+            self._epoch_start = self._steps_run()
+
+    def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
+        if self._allowed is None:
+            return
+        accumulation = self.model.gradient_accumulation_steps or 1
+        per_call = self.model.steps_per_execution or 1
+        # The private steps after the next call, counted on the host (one
+        # mechanism per logical batch), rounded up: never under.
+        after_next = self._epoch_start + -(
+            -(batch + 1 + per_call) // accumulation
+        )
+        if after_next > self._allowed:
+            self._exhausted(
+                f"the next step would pass it ({after_next} private steps "
+                f"against the {self._allowed} it allows)"
+            )
+
+    def _exhausted(self, why: str) -> None:
+        """Stops training, or warns once, at the budget."""
+        if self.when_exhausted == "warn":
+            if not self._warned:
+                self._warned = True
+                warnings.warn(
+                    f"PrivacyBudget: max_epsilon={self.max_epsilon} is "
+                    f"reached: {why}. Training goes on "
+                    "(when_exhausted='warn'), spending more than the budget.",
+                    UserWarning,
+                    stacklevel=2,
+                )
+            return
+        if not self.model.stop_training:
+            print(
+                f"PrivacyBudget: stopping before max_epsilon="
+                f"{self.max_epsilon} is exceeded: {why} ({self.sampling} "
+                f"sampling, {self.accountant} accountant)."
+            )
+        self.model.stop_training = True
 
     def _resolved_sampling(self, expected_batch_size: float | None) -> str:
         """Returns the sampling to account, checked against the model."""
@@ -549,26 +708,7 @@ class PrivacyBudget(keras.callbacks.Callback):
         return sampling
 
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
-        model = self.model
-        updates = int(keras.ops.convert_to_numpy(model.optimizer.iterations))
-        steps = max(model.private_steps, updates)
-        epsilon = privacy.epsilon(
-            steps,
-            self._logical_batch,
-            self.num_examples,
-            self._noise,
-            self.delta,
-            self.accountant,
-            self.sampling or "shuffle",
-        )
+        epsilon = self._spent(self._steps_run())
         self.epsilons.append(epsilon)
         if logs is not None:
             logs["epsilon"] = epsilon
-        if self.max_epsilon is not None and epsilon > self.max_epsilon:
-            print(
-                f"PrivacyBudget: epsilon {epsilon:.3f} after epoch "
-                f"{epoch + 1} ({steps} private steps, {self.sampling} "
-                f"sampling, {self.accountant} accountant) exceeds "
-                f"max_epsilon={self.max_epsilon}. Stopping training."
-            )
-            model.stop_training = True

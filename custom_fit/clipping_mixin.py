@@ -180,12 +180,12 @@ class GradientClippingMixin(TrainStepMixin):
             [g if keep else None for g, keep in zip(gradients, selected)],
             variables,
             owners,
-            adaptive_clipping=self._option_in_step("adaptive_clipping"),
+            adaptive_clipping=self.option_in_step("adaptive_clipping"),
             adaptive_clipping_eps=self.adaptive_clipping_eps,
-            clipvalue=self._option_in_step("clipvalue"),
-            clipnorm=self._option_in_step("clipnorm"),
-            group_clipnorm=self._option_in_step("layer_clipnorm"),
-            global_clipnorm=self._option_in_step("global_clipnorm"),
+            clipvalue=self.option_in_step("clipvalue"),
+            clipnorm=self.option_in_step("clipnorm"),
+            group_clipnorm=self.option_in_step("layer_clipnorm"),
+            global_clipnorm=self.option_in_step("global_clipnorm"),
         )
         return [
             new if keep else old

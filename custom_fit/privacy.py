@@ -149,13 +149,14 @@ def add_noise(
 
 
 def epsilon(
-    steps: int,
-    batch_size: int,
-    num_examples: int,
-    noise_multiplier: float,
-    delta: float,
+    steps: int | None = None,
+    batch_size: int | None = None,
+    num_examples: int | None = None,
+    noise_multiplier: float | None = None,
+    delta: float | None = None,
     accountant: str = "rdp",
     sampling: str = "poisson",
+    epochs: int | None = None,
 ) -> float:
     """Returns the epsilon that `steps` private steps spend at `delta`.
 
@@ -185,20 +186,24 @@ def epsilon(
     `noise_multiplier / 2` (`custom_fit.callbacks.PrivacyBudget` does).
 
     Args:
-        steps: Integer >= 0, the number of private steps run (skipped
-            updates included).
+        steps: Integer >= 0 or `None`. The number of private steps run
+            (skipped updates included). Pass `steps` or `epochs`, not both.
         batch_size: Integer >= 1, the (expected) batch size.
         num_examples: Integer >= `batch_size`, the training set's size.
         noise_multiplier: Float > 0.
         delta: Float in (0, 1 / num_examples).
         accountant: `"rdp"` or `"pld"`.
         sampling: `"poisson"` or `"shuffle"`, how the batches were drawn.
+        epochs: Integer >= 1 or `None`. The epochs run, of
+            `ceil(num_examples / batch_size)` steps each (`fit`'s count, and
+            `PoissonSampler`'s), as `calibrate_noise` takes them.
 
     Returns:
         A float.
 
     Raises:
-        ValueError: For a non-positive noise, a batch larger than the data,
+        ValueError: For a missing argument, both or neither of `steps` and
+            `epochs`, a non-positive noise, a batch larger than the data,
             a `delta` of `1 / num_examples` or more (it would allow
             publishing an example outright), or an unknown accountant or
             sampling.
@@ -210,18 +215,260 @@ def epsilon(
     >>> round(epsilon(steps=14062, batch_size=256, num_examples=60000,
     ...               noise_multiplier=1.1, delta=1e-5), 2)
     2.6
+    >>> round(epsilon(epochs=60, batch_size=256, num_examples=60000,
+    ...               noise_multiplier=1.1, delta=1e-5), 2)
+    2.6
     ```
     """
+    _check_given(
+        batch_size=batch_size,
+        num_examples=num_examples,
+        noise_multiplier=noise_multiplier,
+        delta=delta,
+    )
+    steps = _steps_of(steps, epochs, batch_size, num_examples, delta)
     _check_accounting(steps, batch_size, num_examples, noise_multiplier, delta)
     _check_choices(accountant, sampling)
     return _spent(
         steps,
-        batch_size,
-        num_examples,
-        noise_multiplier,
-        delta,
+        batch_size,  # type: ignore[arg-type]
+        num_examples,  # type: ignore[arg-type]
+        noise_multiplier,  # type: ignore[arg-type]
+        delta,  # type: ignore[arg-type]
         accountant,
         sampling,
+    )
+
+
+def _check_given(**arguments: Any) -> None:
+    """Raises a `ValueError` naming the first argument left at `None`."""
+    for name, value in arguments.items():
+        if value is None:
+            raise ValueError(
+                f"`{name}` is required. Received: {name}=None. Pass it as "
+                "a keyword argument, e.g. epsilon(epochs=20, batch_size=256, "
+                "num_examples=60000, noise_multiplier=1.1, delta=1e-5)."
+            )
+
+
+def _steps_of(
+    steps: Any, epochs: Any, batch_size: Any, num_examples: Any, delta: Any
+) -> int:
+    """Returns the steps of a run given in `steps` or in `epochs`.
+
+    Raises:
+        ValueError: Unless exactly one of them is given, or for bad values.
+    """
+    if (epochs is None) == (steps is None):
+        raise ValueError(
+            "Pass exactly one of `epochs` and `steps`. Received: "
+            f"epochs={epochs!r}, steps={steps!r}. Pass for example "
+            "epochs=20."
+        )
+    if steps is not None:
+        return steps
+    _check_accounting(0, batch_size, num_examples, 1.0, delta)
+    epochs = _validation.positive_int("epochs", epochs)
+    return epochs * _steps_per_epoch(batch_size, num_examples)
+
+
+class CalibratedNoise(float):
+    """A noise multiplier from `calibrate_noise`, with what it assumed.
+
+    A float (pass it as `noise_multiplier`), that also remembers the run it
+    was calibrated for: `DifferentialPrivacyMixin` compares them with what
+    `fit` is about to train on, and refuses a run that would spend a budget
+    other than the one asked for (Poisson batches calibrated, shuffled
+    batches trained; another batch size or data set size). A plain float
+    (`float(noise)`) skips that check. A saved model keeps the float only.
+
+    Attributes:
+        target_epsilon: Float. The budget of the whole run.
+        delta: Float.
+        num_examples: Integer. The training set's size.
+        batch_size: Integer. The (expected) batch size.
+        steps: Integer. The private steps of the run.
+        accountant: `"rdp"` or `"pld"`.
+        sampling: `"poisson"` or `"shuffle"`.
+    """
+
+    target_epsilon: float
+    delta: float
+    num_examples: int
+    batch_size: int
+    steps: int
+    accountant: str
+    sampling: str
+
+    def __new__(cls, value: float, **settings: Any) -> "CalibratedNoise":
+        """Returns the float `value` with `settings` as attributes."""
+        noise = super().__new__(cls, value)
+        for name, setting in settings.items():
+            setattr(noise, name, setting)
+        return noise
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_calibrated, (float(self), dict(vars(self))))
+
+    def describe(self) -> str:
+        """Returns the settings it was calibrated for, as arguments."""
+        return (
+            f"target_epsilon={self.target_epsilon}, delta={self.delta}, "
+            f"num_examples={self.num_examples}, batch_size={self.batch_size},"
+            f" {self.steps} steps, sampling={self.sampling!r}"
+        )
+
+
+def _calibrated(value: float, settings: dict[str, Any]) -> CalibratedNoise:
+    """Rebuilds a `CalibratedNoise` (copies and pickles keep it)."""
+    return CalibratedNoise(value, **settings)
+
+
+class TrainingRun:
+    """How `fit` is about to draw its batches, as far as it can be told.
+
+    Attributes:
+        sampling: `"poisson"` (a `custom_fit.sampling.PoissonSampler`, or
+            data whose `sampling` attribute says so), `"shuffle"` (arrays,
+            cut into batches of `batch_size` each epoch), or `None`
+            (another data type, that does not say).
+        batch_size: Integer or `None` (unknown). The logical batch: with
+            gradient accumulation, the batches of one update together.
+        num_examples: Integer or `None` (unknown).
+        steps: Integer or `None`: the private steps (updates) this `fit`
+            runs.
+        described: String. How the data was given, for messages.
+    """
+
+    def __init__(
+        self,
+        sampling: str | None,
+        batch_size: int | None,
+        num_examples: int | None,
+        steps: int | None,
+        described: str,
+    ) -> None:
+        self.sampling = sampling
+        self.batch_size = batch_size
+        self.num_examples = num_examples
+        self.steps = steps
+        self.described = described
+
+
+def check_run(
+    noise: Any,
+    expected_batch_size: float | None,
+    run: TrainingRun,
+    steps_done: int,
+) -> str:
+    """Checks that a private run is accounted as its noise assumes.
+
+    Raises when `fit`'s batches are not drawn as the model divides them
+    (`expected_batch_size` is for Poisson batches, and Poisson batches need
+    it) or as the noise was calibrated (`CalibratedNoise`).
+
+    Args:
+        noise: The model's `noise_multiplier`.
+        expected_batch_size: The model's `expected_batch_size`.
+        run: The `TrainingRun` `fit` is about to make.
+        steps_done: The private steps the model ran before this `fit`.
+
+    Returns:
+        A warning (a string) when the run goes on past the steps the noise
+        was calibrated for, so that it spends more than its target; else
+        `""`.
+
+    Raises:
+        ValueError: Naming the mismatch and the fix.
+    """
+    if run.sampling == "poisson" and expected_batch_size != run.batch_size:
+        raise ValueError(
+            "Poisson-sampled batches of random size must be divided by their "
+            "expected size, and accounted as Poisson batches. Received: "
+            f"{run.described} of expected size {run.batch_size}, and a model "
+            f"with expected_batch_size={expected_batch_size}. Pass "
+            f"expected_batch_size={run.batch_size} to the model."
+        )
+    if run.sampling == "shuffle" and expected_batch_size is not None:
+        raise ValueError(
+            "`expected_batch_size` is for Poisson-sampled batches "
+            "(custom_fit.sampling.PoissonSampler); `fit`'s own batches are "
+            "shuffled batches of a fixed size, which PrivacyBudget would "
+            "then account as Poisson ones, spending more than it reports. "
+            f"Received: {run.described} and expected_batch_size="
+            f"{expected_batch_size}. Train on a PoissonSampler, or leave "
+            "expected_batch_size out."
+        )
+    if not isinstance(noise, CalibratedNoise):
+        return ""
+    _check_calibrated_run(noise, run)
+    if run.steps is None or steps_done + run.steps <= noise.steps:
+        return ""
+    return (
+        f"This fit runs {run.steps} private steps after {steps_done}: "
+        f"{steps_done + run.steps} in all, more than the {noise.steps} the "
+        f"noise_multiplier was calibrated for ({noise.describe()}), so the "
+        "run spends more than target_epsilon. Fit fewer epochs, calibrate "
+        "for the whole run, or stop at the budget with "
+        "custom_fit.callbacks.PrivacyBudget(max_epsilon=...)."
+    )
+
+
+def _check_calibrated_run(noise: CalibratedNoise, run: TrainingRun) -> None:
+    """Raises if `run` draws its batches unlike the noise's calibration."""
+    fix = (
+        f"Train as calibrated, or calibrate for this run "
+        f"(custom_fit.privacy.calibrate_noise(..., sampling="
+        f"{run.sampling!r}, batch_size={run.batch_size}, "
+        f"num_examples={run.num_examples})). A plain float "
+        "(noise_multiplier=float(noise)) skips this check."
+    )
+    if run.sampling is None:
+        raise ValueError(
+            "The noise_multiplier was calibrated for "
+            f"{noise.sampling!r} batches ({noise.describe()}), and custom_fit "
+            "cannot tell how this data draws its batches. Received: "
+            f"{run.described}. Train on arrays (shuffled batches) or a "
+            "custom_fit.sampling.PoissonSampler, or give the data a "
+            "`sampling` attribute ('poisson' or 'shuffle') and a "
+            "`batch_size`. " + fix
+        )
+    received = {
+        "sampling": run.sampling,
+        "batch_size": run.batch_size,
+        "num_examples": run.num_examples,
+    }
+    for name, value in received.items():
+        if value is not None and value != getattr(noise, name):
+            raise ValueError(
+                "The noise_multiplier was calibrated for another run than "
+                f"this fit's ({noise.describe()}), so{_spent_by(noise, run)} "
+                f"the budget asked for was target_epsilon="
+                f"{noise.target_epsilon}. Received: {run.described}, "
+                f"{name}={value!r} where the calibration has {name}="
+                f"{getattr(noise, name)!r}. " + fix
+            )
+
+
+def _spent_by(noise: CalibratedNoise, run: TrainingRun) -> str:
+    """Says what the calibrated run's steps spend when trained as `run`."""
+    batch_size = run.batch_size or noise.batch_size
+    num_examples = run.num_examples or noise.num_examples
+    try:
+        spent = _spent(
+            noise.steps,
+            batch_size,
+            num_examples,
+            float(noise),
+            noise.delta,
+            noise.accountant,
+            run.sampling or noise.sampling,
+        )
+    except (ImportError, ValueError):
+        return ""
+    return (
+        f" trained this way its {noise.steps} steps spend epsilon "
+        f"{spent:.3g} at delta={noise.delta}, where"
     )
 
 
@@ -234,7 +481,7 @@ def calibrate_noise(
     steps: int | None = None,
     accountant: str = "rdp",
     sampling: str = "poisson",
-) -> float:
+) -> CalibratedNoise:
     """Returns the noise multiplier that spends `target_epsilon`, no more.
 
     Searches (by bisection) the `noise_multiplier` whose epsilon, as
@@ -262,7 +509,9 @@ def calibrate_noise(
         sampling: `"poisson"` or `"shuffle"`; see `epsilon`.
 
     Returns:
-        A float, the noise multiplier.
+        A `CalibratedNoise`: a float, the noise multiplier, that remembers
+        these settings, so that the model refuses a `fit` that draws its
+        batches otherwise (see `CalibratedNoise`).
 
     Raises:
         ValueError: For bad arguments, or a target that no noise between
@@ -271,17 +520,8 @@ def calibrate_noise(
             and what to change.
         ImportError: If `dp-accounting` is not installed.
     """
-    if (epochs is None) == (steps is None):
-        raise ValueError(
-            "Pass exactly one of `epochs` and `steps`. Received: "
-            f"epochs={epochs!r}, steps={steps!r}. Pass for example "
-            "epochs=20."
-        )
-    _check_accounting(0, batch_size, num_examples, 1.0, delta)
+    steps = _steps_of(steps, epochs, batch_size, num_examples, delta)
     _check_choices(accountant, sampling)
-    if steps is None:
-        epochs = _validation.positive_int("epochs", epochs)
-        steps = epochs * _steps_per_epoch(batch_size, num_examples)
     _check_accounting(steps, batch_size, num_examples, 1.0, delta)
     if steps == 0 or not _positive(target_epsilon):
         raise ValueError(
@@ -344,7 +584,16 @@ def calibrate_noise(
             low = middle
         else:
             high = middle
-    return high
+    return CalibratedNoise(
+        high,
+        target_epsilon=target,
+        delta=delta,
+        num_examples=num_examples,
+        batch_size=batch_size,
+        steps=steps,
+        accountant=accountant,
+        sampling=sampling,
+    )
 
 
 def _spent(

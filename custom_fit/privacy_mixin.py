@@ -1,10 +1,14 @@
 """`DifferentialPrivacyMixin`: DP-SGD inside `fit`."""
 
+import inspect
+import math
+import warnings
 from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
 
 import keras
+import numpy as np
 from keras import ops
 
 from custom_fit import _ghost_layers
@@ -56,8 +60,69 @@ def _clip(name: str, value: Any) -> float | None:
 
 
 def _noise(name: str, value: Any) -> float | None:
-    """Validates `noise_multiplier`: a finite float >= 0 (0: no noise)."""
-    return _number(name, value, zero_allowed=True)
+    """Validates `noise_multiplier`: a finite float >= 0 (0: no noise).
+
+    A `privacy.CalibratedNoise` is kept as it is: `fit` checks its run.
+    """
+    number = _number(name, value, zero_allowed=True)
+    return value if isinstance(value, privacy.CalibratedNoise) else number
+
+
+# The signature of Keras' `fit`, `self` included.
+_KERAS_FIT = inspect.signature(keras.Model.fit)
+
+
+def _training_run(
+    arguments: dict[str, Any], accumulation: int
+) -> privacy.TrainingRun:
+    """Returns how `fit`, called with `arguments`, draws its batches.
+
+    With `accumulation` batches per update, the mechanism runs once per
+    logical batch of `accumulation` batches.
+    """
+    x = arguments.get("x")
+    epochs = arguments.get("epochs", 1) - arguments.get("initial_epoch", 0)
+    per_epoch = arguments.get("steps_per_epoch")
+    sampling = getattr(x, "sampling", None)
+    if sampling in privacy.SAMPLINGS:
+        batch_size = getattr(x, "batch_size", None)
+        num_examples = getattr(x, "num_examples", None)
+        if per_epoch is None and hasattr(x, "__len__"):
+            per_epoch = len(x)  # type: ignore[arg-type]
+        described = f"a {type(x).__name__} of {sampling!r} batches"
+    elif _is_arrays(x):
+        sampling = "shuffle"
+        batch_size = arguments.get("batch_size") or 32
+        num_examples = int(np.shape(keras.tree.flatten(x)[0])[0])
+        split = arguments.get("validation_split") or 0.0
+        if split:
+            num_examples = int(math.floor(num_examples * (1.0 - split)))
+        if per_epoch is None:
+            per_epoch = -(-num_examples // batch_size)
+        described = f"arrays in batches of batch_size={batch_size}"
+    else:
+        sampling = batch_size = num_examples = None
+        described = f"data of type {type(x).__name__}"
+    steps = None if per_epoch is None else max(epochs, 0) * per_epoch
+    if accumulation > 1:
+        batch_size = None if batch_size is None else batch_size * accumulation
+        steps = None if steps is None else steps // accumulation
+        described += f", {accumulation} per update"
+    return privacy.TrainingRun(
+        sampling, batch_size, num_examples, steps, described
+    )
+
+
+def _is_arrays(x: Any) -> bool:
+    """Returns whether `x` is an array or a structure of arrays.
+
+    Data objects (datasets, generators, `PyDataset`s) are not.
+    """
+    flat = keras.tree.flatten(x) if x is not None else []
+    return bool(flat) and all(
+        isinstance(item, np.ndarray) or hasattr(item, "__array__")
+        for item in flat
+    )
 
 
 def _weighted(weights: Any) -> Tensor:
@@ -274,6 +339,34 @@ class DifferentialPrivacyMixin(TrainStepMixin):
         state.holder.track(state.dp_seeds.state)
         state.dp_steps = _state.state_variable((), "int32", "private_steps")
         state.holder.track(state.dp_steps)
+
+    def fit(self, *args: Any, **kwargs: Any) -> Any:
+        """Trains the model: `keras.Model.fit`, with the same arguments.
+
+        Before the first step it checks that the batches are drawn as the
+        model divides and accounts them: a `PoissonSampler` needs
+        `expected_batch_size` equal to its batch size, shuffled batches
+        (arrays) need it left out, and a noise from
+        `custom_fit.privacy.calibrate_noise` must see the sampling, batch
+        size and data set size it was calibrated for. A fit that runs past
+        the calibrated steps warns.
+
+        Returns:
+            A `History` object, as `keras.Model.fit` returns.
+
+        Raises:
+            ValueError: When the run would not be the one accounted.
+        """
+        arguments = _KERAS_FIT.bind(self, *args, **kwargs).arguments
+        warning = privacy.check_run(
+            self.noise_multiplier,
+            self.expected_batch_size,
+            _training_run(arguments, self.gradient_accumulation_steps or 1),
+            self.private_steps,
+        )
+        if warning:
+            warnings.warn(warning, UserWarning, stacklevel=2)
+        return super().fit(*args, **kwargs)
 
     @property
     def private_steps(self) -> int:

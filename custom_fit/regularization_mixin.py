@@ -219,7 +219,7 @@ class RegularizationMixin(TrainStepMixin):
         """Returns the keyword penalties and the hook's terms, checked."""
         terms = self._weight_penalties()
         if self.input_gradient_penalty is not None:
-            terms["input_gradient_penalty"] = self._option_in_step(
+            terms["input_gradient_penalty"] = self.option_in_step(
                 "input_gradient_penalty"
             ) * self._input_gradient_term(x, y, sample_weight, training)
         terms.update(self._checked_hook_terms(x, y, y_pred))
@@ -233,11 +233,11 @@ class RegularizationMixin(TrainStepMixin):
         penalized = self._penalized_variables()
         if self.l1 is not None:
             terms["l1_penalty"] = regularization.l1_penalty(
-                penalized, self._option_in_step("l1")
+                penalized, self.option_in_step("l1")
             )
         if self.l2 is not None:
             terms["l2_penalty"] = regularization.l2_penalty(
-                penalized, self._option_in_step("l2")
+                penalized, self.option_in_step("l2")
             )
         return terms
 
@@ -283,7 +283,7 @@ class RegularizationMixin(TrainStepMixin):
                 "optimizer=..., penalty_inputs=interpolated)` for WGAN-GP."
             )
         else:
-            terms["input_gradient_penalty"] = self._option_in_step(
+            terms["input_gradient_penalty"] = self.option_in_step(
                 "input_gradient_penalty"
             ) * self._output_gradient_term(penalty_inputs)
         replicas = pipeline.replica_count()

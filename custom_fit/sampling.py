@@ -123,6 +123,10 @@ class PoissonSampler(keras.utils.PyDataset):
         self.sampling_rate = self.batch_size / self.num_examples
         self.epoch = 0
 
+    # How the batches are drawn, which `DifferentialPrivacyMixin.fit` checks
+    # against the model and its noise (`custom_fit.privacy.check_run`).
+    sampling = "poisson"
+
     def __len__(self) -> int:
         return math.ceil(self.num_examples / self.batch_size)
 

@@ -108,7 +108,7 @@ class SharpnessAwareMixin(TrainStepMixin):
             sharpness.perturbed_weights(
                 weights,
                 [gradients[i] for i in weighted],
-                self._option_in_step("sam_rho"),
+                self.option_in_step("sam_rho"),
             ),
         )
         metrics = _model_state.state_of(self).metrics

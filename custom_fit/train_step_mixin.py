@@ -246,10 +246,16 @@ class TrainStepMixin(
         """Checks the order of the bases; lists the options in a signature.
 
         Raises:
-            TypeError: If a Keras class comes before the custom_fit mixins.
+            TypeError: If a Keras class comes before the custom_fit mixins,
+                or an option has the name of a Keras attribute.
         """
         super().__init_subclass__(**kwargs)
         _step_checks.refuse_keras_before_mixins(cls, TrainStepMixin)
+        _step_checks.refuse_options_hiding_keras(cls)
+        for kind in ("train_step", "test_step"):
+            step = vars(cls).get(kind)
+            if step is not None and not hasattr(step, "custom_fit_checked"):
+                setattr(cls, kind, _step_checks.checked_step(step, kind))
         cls.__signature__ = _options.signature(cls)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -732,13 +738,30 @@ class TrainStepMixin(
             )
         return _Update(loss=loss, aux=aux, applied=applied, counted=counted)
 
-    def _option_in_step(self, name: str) -> Any:
-        """Returns option `name` for the running step.
+    def option_in_step(self, name: str) -> Any:
+        """Returns option `name` as the running step uses it.
 
-        A schedule is evaluated at the update count of the optimizer of the
-        running update, before the update (0 at the first step), as Keras
-        evaluates a learning-rate schedule, and the value is reported under
-        the option's `logged_as` name; any other value is returned as is.
+        Call it inside the step (a hook such as `transform_gradients`) to
+        read an option declared with `schedulable=True`: a schedule is
+        evaluated at the update count of the optimizer of the running update,
+        before the update (0 at the first step), as Keras evaluates a
+        learning-rate schedule, and the value in force is reported under the
+        option's `logged_as` name (`"last"` reduction); any other value is
+        returned as is.
+
+        Args:
+            name: String. The name of an option of the model.
+
+        Returns:
+            The option's value, or a float32 scalar tensor for a schedule.
+
+        Example:
+
+        ```python
+        def transform_gradients(self, gradients, variables):
+            stddev = self.option_in_step("gradient_noise_stddev")
+            ...
+        ```
         """
         value = getattr(self, name)
         if not _validation.is_schedule(value):

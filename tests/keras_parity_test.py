@@ -324,61 +324,6 @@ class LayerTrainerTest(testing.TestCase):
             self.assertEqual(moved, auto_scale_loss)
 
 
-class BaseOrderTest(testing.TestCase):
-    @parameterized.named_parameters(
-        ("model", lambda: keras.Model, "keras.Model"),
-        ("sequential", lambda: keras.Sequential, "keras.Sequential"),
-        ("subclass", lambda: backbone_class(), "Backbone"),
-    )
-    def test_keras_class_first_refused(self, keras_class, shown):
-        """A mixin placed after a Keras class is refused when the class is
-        made, with the class statement in the right order."""
-        keras_base = keras_class()
-        with self.assertRaisesRegex(
-            TypeError,
-            rf"Received: class Wrong\({shown}, "
-            r"custom_fit.DifferentialPrivacyMixin\)\. Put the custom_fit "
-            r"mixins first: class Wrong\(custom_fit.DifferentialPrivacyMixin, "
-            rf"{shown}\)\.",
-        ):
-            type("Wrong", (keras_base, custom_fit.DifferentialPrivacyMixin), {})
-
-    def test_keras_trainer_first_refused(self):
-        """Keras' backend trainer before the mixin on a plain layer is
-        refused too: its `train_step` would run."""
-        with self.assertRaisesRegex(TypeError, KERAS_TRAINER.__name__):
-            type(
-                "Wrong",
-                (KERAS_TRAINER, custom_fit.TrainStepMixin, keras.layers.Layer),
-                {},
-            )
-
-    def test_user_mixin_between_is_accepted(self):
-        """A user's class before the custom_fit mixins, and a subclass of a
-        correctly ordered model, are accepted."""
-
-        class Recorder:
-            pass
-
-        class Right(Recorder, custom_fit.GradientClippingMixin, keras.Model):
-            pass
-
-        class Sub(Right):
-            pass
-
-        model = testing.mlp(Sub, global_clipnorm=1.0)
-        self.assertEqual(model.global_clipnorm, 1.0)
-
-
-def backbone_class():
-    """A user's own `keras.Model` subclass, as a base."""
-
-    class Backbone(keras.Model):
-        pass
-
-    return Backbone
-
-
 class ConsecutiveSkipsTest(testing.TestCase):
     @parameterized.named_parameters(
         *testing.runnable(

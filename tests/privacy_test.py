@@ -242,6 +242,122 @@ def noise_of_each_step(model, steps, batch_size):
     return -(kernels[1:] - kernels[:-1]).reshape(steps, -1) * batch_size
 
 
+class CalibratedRunTest(testing.TestCase):
+    """The run `fit` is about to make against the noise's calibration."""
+
+    def model(self, noise, **options):
+        model = testing.mlp(
+            PrivateNet, l2_norm_clip=1.0, noise_multiplier=noise, **options
+        )
+        model.compile(optimizer="sgd", loss=testing.sparse_crossentropy())
+        return model
+
+    def calibrated(self, **settings):
+        arguments = dict(
+            target_epsilon=3.0, delta=1e-4, num_examples=512, batch_size=32
+        )
+        arguments.update(settings)
+        return privacy.calibrate_noise(epochs=3, **arguments)
+
+    def test_poisson_noise_on_shuffled_batches_is_refused(self):
+        """The default calibration (Poisson batches) trained on fit's own
+        shuffled batches is refused before the first step, with the epsilon
+        those batches would spend."""
+        x, y = testing.classification_data(samples=512)
+        noise = self.calibrated()
+        model = self.model(noise)
+        weights = model.get_weights()
+        spent = dp_accounting_gaussian_epsilon(3, float(noise), 1e-4)
+        self.assertGreater(spent, 3.0)
+        with self.assertRaisesRegex(
+            ValueError,
+            rf"spend epsilon {spent:.3g} at delta=0.0001, where the budget "
+            r"asked for was target_epsilon=3.0\..*sampling='shuffle' where "
+            r"the calibration has sampling='poisson'",
+        ):
+            model.fit(x, y, batch_size=32, epochs=3, verbose=0)
+        self.assertAllClose(model.get_weights(), weights)
+        self.assertEqual(model.private_steps, 0)
+
+    def test_each_calibration_trains_as_calibrated(self):
+        """Shuffle-calibrated noise on arrays, Poisson-calibrated noise on
+        a PoissonSampler with the model's expected_batch_size: both train,
+        silently."""
+        x, y = testing.classification_data(samples=512)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            self.model(self.calibrated(sampling="shuffle")).fit(
+                x, y, batch_size=32, epochs=3, verbose=0
+            )
+            sampler = sampling.PoissonSampler(x, y, batch_size=32, seed=0)
+            self.model(self.calibrated(), expected_batch_size=32).fit(
+                sampler, epochs=3, verbose=0
+            )
+
+    @parameterized.named_parameters(
+        ("batch_size", dict(batch_size=64), "batch_size=64"),
+        ("num_examples", dict(validation_split=0.5), "num_examples=256"),
+    )
+    def test_other_batches_are_refused(self, fit_arguments, received):
+        """Another batch size, or fewer training examples (a validation
+        split), than calibrated is refused."""
+        x, y = testing.classification_data(samples=512)
+        arguments = dict(batch_size=32, epochs=1, verbose=0)
+        arguments.update(fit_arguments)
+        model = self.model(self.calibrated(sampling="shuffle"))
+        with self.assertRaisesRegex(ValueError, rf"Received: .*{received}"):
+            model.fit(x, y, **arguments)
+
+    def test_longer_run_warns(self):
+        """A fit past the calibrated steps warns that it spends more."""
+        x, y = testing.classification_data(samples=512)
+        model = self.model(self.calibrated(sampling="shuffle"))
+        with self.assertWarnsRegex(UserWarning, "64 in all, more than the 48"):
+            model.fit(x, y, batch_size=32, epochs=4, verbose=0)
+
+    def test_sampler_needs_expected_batch_size(self):
+        """Poisson batches without expected_batch_size, or shuffled batches
+        with it, are refused whatever the noise."""
+        x, y = testing.classification_data(samples=64)
+        sampler = sampling.PoissonSampler(x, y, batch_size=16, seed=0)
+        with self.assertRaisesRegex(ValueError, "expected_batch_size=16"):
+            self.model(1.1).fit(sampler, verbose=0)
+        with self.assertRaisesRegex(
+            ValueError, "`expected_batch_size` is for Poisson"
+        ):
+            self.model(1.1, expected_batch_size=16).fit(
+                x, y, batch_size=16, verbose=0
+            )
+
+    def test_unknown_data_with_calibrated_noise_is_refused(self):
+        """Data that does not say how it draws batches cannot be checked
+        against a calibration: refused, with the fix; a plain float
+        trains."""
+        x, y = testing.classification_data(samples=64)
+
+        def batches():
+            while True:
+                yield x[:16], y[:16]
+
+        noise = self.calibrated(sampling="shuffle")
+        with self.assertRaisesRegex(ValueError, "cannot tell how this data"):
+            self.model(noise).fit(
+                batches(), steps_per_epoch=2, shuffle=False, verbose=0
+            )
+        self.model(float(noise)).fit(
+            batches(), steps_per_epoch=2, shuffle=False, verbose=0
+        )
+
+    def test_calibrated_noise_is_a_float_that_saves(self):
+        """The calibrated noise acts as a float and saves as one."""
+        noise = self.calibrated()
+        self.assertIsInstance(noise, float)
+        model = self.model(noise, expected_batch_size=32)
+        self.assertIs(model.noise_multiplier, noise)
+        config = model.get_config()
+        self.assertEqual(config["noise_multiplier"], float(noise))
+
+
 def dp_accounting_epsilon(steps, q, noise, delta, accountant="rdp"):
     """The epsilon of `steps` Poisson-sampled Gaussian steps, asked of
     dp-accounting directly."""
@@ -1101,7 +1217,10 @@ class PrivacyBudgetTest(testing.TestCase):
         ]
         self.assertAllClose(history["epsilon"], expected, rtol=1e-9)
 
-    def test_stops_at_the_first_epoch_past_the_budget(self):
+    def test_stops_before_the_epoch_that_would_pass_the_budget(self):
+        """On shuffled batches each epoch begun spends one more Gaussian
+        mechanism: with a budget between one and two epochs' spending, fit
+        stops after the first epoch, within the budget."""
         x, y = testing.classification_data(samples=4 * BATCH)
         after = [
             dp_accounting_gaussian_epsilon(epochs, 1.1, 1e-3)
@@ -1120,7 +1239,70 @@ class PrivacyBudgetTest(testing.TestCase):
             )
             .history
         )
-        self.assertLen(history["epsilon"], 2)
+        self.assertLen(history["epsilon"], 1)
+        self.assertAllClose(history["epsilon"], after[:1], rtol=1e-9)
+
+    @parameterized.named_parameters(
+        ("one_step", {}),
+        *testing.runnable([("looped", dict(steps_per_execution=2))]),
+    )
+    def test_stops_at_the_last_poisson_step_within_the_budget(self, mode):
+        """On Poisson batches the budget runs out mid-epoch: fit stops after
+        the last call whose steps keep dp-accounting's epsilon within
+        `max_epsilon`, and the next call's steps would pass it."""
+        x, y = testing.classification_data(samples=8 * BATCH)
+        q = BATCH / len(x)
+        spent = [0.0] + [
+            dp_accounting_epsilon(n, q, 1.1, 1e-3) for n in range(1, 40)
+        ]
+        # The budget allows 5 steps (and a bit): not a multiple of 2.
+        max_epsilon = (spent[5] + spent[6]) / 2
+        budget = callbacks.PrivacyBudget(
+            num_examples=len(x),
+            batch_size=BATCH,
+            delta=1e-3,
+            max_epsilon=max_epsilon,
+        )
+        model = self.private_model(mode=mode, expected_batch_size=BATCH)
+        sampler = sampling.PoissonSampler(x, y, batch_size=BATCH, seed=0)
+        model.fit(sampler, epochs=5, callbacks=[budget], verbose=0)
+        per_call = mode.get("steps_per_execution", 1)
+        self.assertLessEqual(spent[model.private_steps], max_epsilon)
+        self.assertGreater(spent[model.private_steps + per_call], max_epsilon)
+
+    def test_warns_once_and_goes_on_when_asked(self):
+        """`when_exhausted="warn"` warns once before the budget is passed
+        and trains every epoch."""
+        x, y = testing.classification_data(samples=4 * BATCH)
+        budget = callbacks.PrivacyBudget(
+            num_examples=len(x),
+            batch_size=BATCH,
+            delta=1e-3,
+            max_epsilon=dp_accounting_gaussian_epsilon(1, 1.1, 1e-3),
+            when_exhausted="warn",
+        )
+        with self.assertWarnsRegex(UserWarning, "Training goes on") as caught:
+            history = self.private_model().fit(
+                x, y, batch_size=BATCH, epochs=3, callbacks=[budget], verbose=0
+            )
+        self.assertLen(history.history["epsilon"], 3)
+        del caught
+
+    def test_spent_budget_stops_before_the_first_step(self):
+        """A second fit on a spent budget stops before any step."""
+        x, y = testing.classification_data(samples=4 * BATCH)
+        model = self.private_model()
+        model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0)
+        budget = callbacks.PrivacyBudget(
+            num_examples=len(x),
+            batch_size=BATCH,
+            delta=1e-3,
+            max_epsilon=dp_accounting_gaussian_epsilon(1, 1.1, 1e-3),
+        )
+        weights = model.get_weights()
+        with self.assertRaisesRegex(RuntimeError, "already spend more"):
+            model.fit(x, y, batch_size=BATCH, callbacks=[budget], verbose=0)
+        self.assertAllClose(model.get_weights(), weights)
 
     def test_refuses_a_model_without_the_mixin_or_without_noise(self):
         x, y = testing.classification_data(samples=BATCH)

@@ -1,0 +1,219 @@
+"""A user's own mixin with its own options, through public names only.
+
+The mixin under test is `GradientNoiseMixin` of examples/gradient_noise.py,
+the one the guide "Your own mixin" builds: its options are declared with
+`custom_fit.options`, read in the step with `option_in_step`. The oracles
+are independent of its code: NumPy's evaluation of the schedule, the
+statistics of a Gaussian draw, the model before saving, and Keras' own
+messages for what Keras refuses.
+"""
+
+import ast
+import os
+import tempfile
+
+import keras
+import numpy as np
+from absl.testing import parameterized
+
+import custom_fit
+from custom_fit import options
+from tests import testing
+
+noise = testing.import_example("gradient_noise")
+
+
+@keras.saving.register_keras_serializable(package="tests")
+class NoisyNet(noise.GradientNoiseMixin, keras.Model):
+    pass
+
+
+def zero_gradient_loss(y_true, y_pred):
+    """A loss whose gradient is zero: an update is then the noise alone."""
+    del y_true
+    return 0.0 * keras.ops.sum(y_pred)
+
+
+def wide_model(**kwargs):
+    """Input 1 -> Dense 4000: 8000 weights, all receiving noise."""
+    inputs = keras.Input((1,))
+    outputs = keras.layers.Dense(4000, kernel_initializer="zeros")(inputs)
+    return NoisyNet(inputs, outputs, **kwargs)
+
+
+class PublicNamesTest(testing.TestCase):
+    def test_example_uses_public_names_only(self):
+        """The example reaches custom_fit through public names only."""
+        path = os.path.join(testing.EXAMPLES_DIR, "gradient_noise.py")
+        with open(path, encoding="utf-8") as handle:
+            tree = ast.parse(handle.read())
+        names = [
+            node.attr
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in ("custom_fit", "options")
+        ]
+        imported = [
+            alias.name
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom)
+            and (node.module or "").startswith("custom_fit")
+            for alias in node.names
+        ]
+        self.assertNotEmpty(names)
+        for name in names + imported:
+            self.assertFalse(name.startswith("_"), name)
+            self.assertIn(name, custom_fit.__all__ + options.__all__)
+
+
+class UserOptionTest(testing.TestCase):
+    def test_bad_value_refused_by_name(self):
+        """A bad value is refused when the model is built, with the
+        argument and the value received."""
+        with self.assertRaisesRegex(
+            ValueError, r"Received: gradient_noise_stddev=-1\b"
+        ):
+            wide_model(gradient_noise_stddev=-1)
+
+    def test_requires_is_checked(self):
+        """A seed without noise has no effect and is refused."""
+        with self.assertRaisesRegex(
+            ValueError, r"`gradient_noise_seed` has no effect without"
+        ):
+            wide_model(gradient_noise_seed=3)
+
+    def test_excludes_is_checked(self):
+        """Two options declared as exclusive cannot both be set."""
+
+        class Exclusive(custom_fit.TrainStepMixin):
+            first = options.Option(None, options.positive_float_or_none)
+            second = options.Option(
+                None, options.positive_float_or_none, excludes=("first",)
+            )
+
+        class Model(Exclusive, keras.Model):
+            pass
+
+        self.assertEqual(testing.mlp(Model, second=1.0).second, 1.0)
+        with self.assertRaisesRegex(
+            ValueError,
+            r"Pass only one of `second` and `first`\. Received: "
+            r"second=1\.0, first=2\.0",
+        ):
+            testing.mlp(Model, first=2.0, second=1.0)
+
+    def test_signature_lists_user_options(self):
+        """help() and inspect.signature show the user's options."""
+        import inspect
+
+        parameters = inspect.signature(NoisyNet).parameters
+        self.assertEqual(parameters["gradient_noise_stddev"].default, 0.0)
+        self.assertIsNone(parameters["gradient_noise_seed"].default)
+
+    @parameterized.named_parameters(*testing.EXECUTION_MODES)
+    def test_assignment_after_fit_is_refused(self, mode):
+        """Assigning an option after `fit` raises on every backend and
+        leaves the value the step uses, the user's option and custom_fit's
+        alike."""
+
+        class Both(noise.GradientNoiseMixin, custom_fit.GradientClippingMixin):
+            pass
+
+        class Model(Both, keras.Model):
+            pass
+
+        model = testing.mlp(
+            Model, gradient_noise_stddev=0.5, global_clipnorm=1.0
+        )
+        model.compile(optimizer="sgd", loss="mse", **mode)
+        x, y = testing.classification_data(samples=8)
+        model.fit(x, keras.utils.to_categorical(y, 3), verbose=0)
+        for name, value in (
+            ("gradient_noise_stddev", 0.0),
+            ("global_clipnorm", 2.0),
+        ):
+            with self.assertRaisesRegex(
+                AttributeError, rf"`{name}` is fixed when the model is built"
+            ):
+                setattr(model, name, value)
+        self.assertEqual(model.gradient_noise_stddev, 0.5)
+        self.assertEqual(model.global_clipnorm, 1.0)
+
+
+class NoiseTest(testing.TestCase):
+    @parameterized.named_parameters(*testing.EXECUTION_MODES)
+    def test_noise_has_the_declared_deviation(self, mode):
+        """With a zero gradient and SGD at rate 1, one update moves each
+        weight by the noise alone: mean 0, deviation `stddev`."""
+        model = wide_model(gradient_noise_stddev=0.5, gradient_noise_seed=1)
+        model.compile(
+            optimizer=keras.optimizers.SGD(1.0),
+            loss=zero_gradient_loss,
+            **mode,
+        )
+        model.fit(np.ones((4, 1)), np.zeros((4, 4000)), verbose=0)
+        moved = np.concatenate([w.ravel() for w in model.get_weights()])
+        # 8000 draws: the sample deviation is within 3% of 0.5 and the mean
+        # within 0.02 of 0, with probability above 0.999.
+        self.assertAllClose(np.std(moved), 0.5, rtol=0.03, atol=0)
+        self.assertAllClose(np.mean(moved), 0.0, atol=0.02)
+
+    def test_zero_noise_equals_keras(self):
+        """With no noise the model trains as plain Keras."""
+        x, y = testing.classification_data(samples=16)
+        weights = []
+        for model_class in (NoisyNet, keras.Model):
+            # The same shuffling for both (a seed generator made without a
+            # seed draws from Python's random state, as Keras' shuffle does).
+            keras.utils.set_random_seed(0)
+            model = testing.mlp(model_class)
+            model.compile(optimizer="adam", loss=testing.sparse_crossentropy())
+            model.fit(x, y, batch_size=4, epochs=2, verbose=0)
+            weights.append(model.get_weights())
+        self.assertAllClose(weights[0], weights[1])
+
+
+class ScheduleTest(testing.TestCase):
+    def test_schedule_is_evaluated_logged_saved_and_loaded(self):
+        """The schedule's value at each epoch's last update is logged, and
+        the model saves and loads with it, predicting the same."""
+        eta, gamma = 0.3, 0.55
+        model = testing.mlp(
+            NoisyNet,
+            gradient_noise_stddev=noise.AnnealedNoise(eta, gamma),
+            gradient_noise_seed=2,
+        )
+        model.compile(optimizer="sgd", loss=testing.sparse_crossentropy())
+        x, y = testing.classification_data(samples=32)
+        history = model.fit(x, y, batch_size=8, epochs=2, verbose=0)
+        # Updates 0-3 in the first epoch, 4-7 in the second: the value in
+        # force at each epoch's last step.
+        expected = [np.sqrt(eta / (1.0 + step) ** gamma) for step in (3, 7)]
+        self.assertAllClose(
+            history.history["gradient_noise_stddev"], expected, rtol=1e-6
+        )
+        path = os.path.join(tempfile.mkdtemp(), "noisy.keras")
+        model.save(path)
+        loaded = keras.models.load_model(path)
+        self.assertIsInstance(loaded, NoisyNet)
+        self.assertIsInstance(loaded.gradient_noise_stddev, noise.AnnealedNoise)
+        self.assertEqual(loaded.gradient_noise_stddev.get_config()["eta"], eta)
+        self.assertEqual(loaded.gradient_noise_seed, 2)
+        self.assertAllClose(
+            loaded.predict(x, verbose=0), model.predict(x, verbose=0)
+        )
+        loaded.fit(x, y, batch_size=8, verbose=0)
+
+    def test_example_program_trains_saves_and_loads(self):
+        """The example's own run prints the options read back and a logged
+        noise that decays."""
+        lines = noise.train(
+            epochs=2,
+            eta=0.01,
+            gamma=0.55,
+            directory=tempfile.mkdtemp(),
+        )
+        self.assertIn("gradient_noise_seed=1, global_clipnorm=1.0", lines[0])
+        logged = [float(line.split()[-1]) for line in lines[1:3]]
+        self.assertGreater(logged[0], logged[1])

@@ -19,6 +19,7 @@ from typing import TypeVar
 
 import keras
 
+from custom_fit import _fit_logs
 from custom_fit import _keras_compat
 from custom_fit import _model_state
 from custom_fit import _options
@@ -108,11 +109,12 @@ class KerasModel(_ModelBase):
             *args: The positional arguments of `keras.Model.compile`.
             **kwargs: Its keyword arguments.
         """
-        arguments = _KERAS_COMPILE.bind(self, *args, **kwargs).arguments
-        jit_compile = arguments.get("jit_compile", "auto")
-        if jit_compile != "auto" and not arguments.get("run_eagerly"):
+        # By name: a model's own `compile` (a keras-hub task's) may take
+        # other arguments than Keras'; the optimizer comes first in all.
+        jit_compile = kwargs.get("jit_compile", "auto")
+        if jit_compile != "auto" and not kwargs.get("run_eagerly"):
             backend.current().check_compile(jit_compile)
-        optimizer = arguments.get("optimizer")
+        optimizer = args[0] if args else kwargs.get("optimizer")
         if not isinstance(optimizer, (str, type(None))):
             _step_checks.refuse_accumulating_optimizer(optimizer)
         super().compile(*args, **kwargs)
@@ -205,7 +207,9 @@ class KerasModel(_ModelBase):
 
         Each call starts a new count of consecutive skipped steps for
         `max_consecutive_skipped_steps`: a `fit` stopped by the limit does
-        not stop the next one.
+        not stop the next one. The epoch's logs (History, callbacks) leave
+        out the figures of one step (`grad_norm_step`), and the progress
+        bar shows the logs `progress_bar_logs` selects.
 
         Returns:
             A `History` object, as `keras.Model.fit` returns.
@@ -213,7 +217,33 @@ class KerasModel(_ModelBase):
         self._configure_if_needed()
         for model in _model_state.models_in(self):
             _model_state.state_of(model).guard.restart()
-        return super().fit(*args, **kwargs)
+        arguments = dict(KERAS_FIT.bind(self, *args, **kwargs).arguments)
+        del arguments["self"]
+        callbacks = arguments.get("callbacks")
+        if not isinstance(callbacks, keras.callbacks.CallbackList):
+            arguments["callbacks"] = self._fit_callbacks(
+                list(callbacks or []), arguments.get("verbose", "auto")
+            )
+        return super().fit(**arguments)
+
+    def _fit_callbacks(
+        self, callbacks: list[Any], verbose: Any
+    ) -> list[keras.callbacks.Callback]:
+        """Returns `callbacks` with those that route the logs."""
+        routed = [
+            _fit_logs.EpochLogs(
+                lambda: _step_metrics.step_only(self._registries())
+            ),
+            *callbacks,
+        ]
+        has_bar = any(
+            isinstance(c, keras.callbacks.ProgbarLogger) for c in callbacks
+        )
+        if verbose != 0 and not has_bar:
+            routed.append(
+                _fit_logs.ProgressBar(getattr(self, "progress_bar_logs", None))
+            )
+        return routed
 
     def make_train_function(self, force: bool = False) -> StepFunction:
         """Builds the train function (see `custom_fit._step_functions`).
@@ -321,8 +351,8 @@ class KerasModel(_ModelBase):
         return model
 
 
-# The signature of Keras' `compile` (`Trainer.compile`), `self` included.
-_KERAS_COMPILE = inspect.signature(keras.Model.compile)
+# The signature of Keras' `fit`, `self` included.
+KERAS_FIT = inspect.signature(keras.Model.fit)
 
 
 def _keras_property(model: Any, name: str) -> property:

@@ -29,11 +29,12 @@ from custom_fit import _scalar_metrics
 from custom_fit import _validation
 from custom_fit import backend
 
-REDUCTIONS = ("mean", "sum", "last")
+REDUCTIONS = ("mean", "sum", "last", "step")
 _METRIC_CLASSES = {
     "mean": _scalar_metrics.ScalarMean,
     "sum": _scalar_metrics.ScalarSum,
     "last": _scalar_metrics.ScalarLast,
+    "step": _scalar_metrics.ScalarLast,  # in batch logs only
 }
 
 
@@ -52,6 +53,7 @@ class StepMetrics:
 
     def __init__(self) -> None:
         self.metrics: dict[str, keras.metrics.Metric] = {}
+        self.reductions: dict[str, str] = {}
         self.kinds: dict[str, set[tuple[int, str | None]]] = {}
         self.driver: tuple[Any, str] | None = None
         self.muted = False
@@ -184,13 +186,28 @@ class StepMetrics:
             with backend.current().creation_scope():
                 metric = _METRIC_CLASSES[reduction](name=key)
             self.metrics[key] = metric
-        elif not isinstance(metric, _METRIC_CLASSES[reduction]):
+            self.reductions[key] = reduction
+        elif self.reductions.get(key) != reduction:
             raise ValueError(
                 f"The metric {key!r} was first reported with another "
                 f"reduction. Received: reduction={reduction!r}. Use one "
                 "reduction per name."
             )
         return metric
+
+
+def step_only(registries: list[StepMetrics]) -> set[str]:
+    """Returns the log keys reported with the `"step"` reduction.
+
+    They are each step's own figure, for batch-level callbacks: an epoch's
+    logs leave them out (its last batch's value is no epoch figure).
+    """
+    return {
+        key
+        for registry in registries
+        for key, reduction in registry.reductions.items()
+        if reduction == "step"
+    }
 
 
 def reported(registries: list[StepMetrics]) -> list[keras.metrics.Metric]:

@@ -319,6 +319,36 @@ def names_or_none(name: str, value: Any) -> tuple[str, ...] | None:
     )
 
 
+def logs_selection(name: str, value: Any) -> Any:
+    """Validates a selection of logs: `None`, `"all"`, or names.
+
+    Args:
+        name: String. The argument's name, used in the error message.
+        value: The value received.
+
+    Returns:
+        `None`, `"all"`, or a tuple of strings (names or `fnmatch`
+        patterns).
+
+    Raises:
+        ValueError: For anything else.
+    """
+    if value is None or value == "all":
+        return value
+    if (
+        isinstance(value, (list, tuple))
+        and value
+        and all(isinstance(item, str) and item for item in value)
+    ):
+        return tuple(value)
+    raise ValueError(
+        f"`{name}` must be None (every log but the per-layer ones), 'all', "
+        f"or a non-empty list of log names or patterns. Received: "
+        f"{name}={value!r}. Pass for example {name}=['loss', 'accuracy', "
+        "'grad_norm']."
+    )
+
+
 def names_or_default(
     default: tuple[str, ...],
 ) -> Callable[[str, Any], tuple[str, ...]]:

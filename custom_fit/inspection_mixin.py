@@ -51,8 +51,9 @@ class GradientInspectionMixin(TrainStepMixin):
       in process 0 alone).
     - `logs["grad_norm"]`: the global norm, as a running mean over the epoch
       like the loss; `logs["grad_norm_step"]`: the global norm of the step
-      itself (a batch-level callback sees each step's, which a running mean
-      hides; an epoch's log holds its last step's); with a clipping mixin
+      itself, in batch logs only (a batch-level callback sees each step's,
+      which a running mean hides; epoch logs and History leave it out:
+      the last batch's value is no epoch figure); with a clipping mixin
       also `logs["grad_norm_clipped"]`,
       the global norm after clipping (after `transform_gradients`), to see
       how hard clipping bites, and `logs["clip_rate"]`, the share of the
@@ -195,7 +196,7 @@ class GradientInspectionMixin(TrainStepMixin):
         global_norm = ops.sqrt(ops.sum(squares))
         self.report_metric("grad_norm", global_norm)
         # The step's own figure, for batch-level callbacks (spikes).
-        self.report_metric("grad_norm_step", global_norm, reduction="last")
+        self.report_metric("grad_norm_step", global_norm, reduction="step")
         if self.layer_norms_in_logs:
             for index, layer in enumerate(state.layers):
                 self.report_metric(f"grad_norm/{layer}", layer_norms[index])

@@ -1,6 +1,5 @@
 """`DifferentialPrivacyMixin`: DP-SGD inside `fit`."""
 
-import inspect
 import math
 import warnings
 from collections.abc import Callable
@@ -14,6 +13,7 @@ from keras import ops
 from custom_fit import _ghost_layers
 from custom_fit import _gradient_ops
 from custom_fit import _keras_compat
+from custom_fit import _keras_model
 from custom_fit import _model_state
 from custom_fit import _options
 from custom_fit import _state
@@ -66,10 +66,6 @@ def _noise(name: str, value: Any) -> float | None:
     """
     number = _number(name, value, zero_allowed=True)
     return value if isinstance(value, privacy.CalibratedNoise) else number
-
-
-# The signature of Keras' `fit`, `self` included.
-_KERAS_FIT = inspect.signature(keras.Model.fit)
 
 
 def _training_run(
@@ -357,7 +353,7 @@ class DifferentialPrivacyMixin(TrainStepMixin):
         Raises:
             ValueError: When the run would not be the one accounted.
         """
-        arguments = _KERAS_FIT.bind(self, *args, **kwargs).arguments
+        arguments = _keras_model.KERAS_FIT.bind(self, *args, **kwargs).arguments
         warning = privacy.check_run(
             self.noise_multiplier,
             self.expected_batch_size,

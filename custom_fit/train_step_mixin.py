@@ -180,6 +180,12 @@ class TrainStepMixin(
             of the optimizer argument of the same name, which custom_fit
             refuses because it would transform each batch's gradient.
             Defaults to `None` (update at every batch).
+        progress_bar_logs: `None`, `"all"` or a list of log names and
+            `fnmatch` patterns: the logs `fit`'s progress bar shows (a
+            name shows its `val_` twin too). History, `evaluate` and every
+            callback receive all logs whatever it says. Defaults to `None`:
+            every log but the per-layer figures (`grad_norm/<layer>` of
+            `layer_norms_in_logs`), which would add a column per layer.
 
     Example:
     ```python
@@ -235,6 +241,7 @@ class TrainStepMixin(
     per_loss_gradients = _options.Option(
         False, _validation.one_of(PER_LOSS_MODES)
     )
+    progress_bar_logs = _options.Option(None, _validation.logs_selection)
     layer_depth = _options.Option(
         1,
         _validation.positive_int,
@@ -968,14 +975,18 @@ class TrainStepMixin(
             reduction: `"mean"` (weighted running mean over the epoch, each
                 replica's value counted with its weight), `"sum"` (total
                 over the epoch's steps; under `tf.distribute` the value must
-                be the same on every replica, and is counted once) or
+                be the same on every replica, and is counted once),
                 `"last"` (the last step's value: what a batch-level callback
                 sees is each step's own value, and the epoch's log is its
-                last step's; the value must be the same on every replica).
+                last step's; the value must be the same on every replica;
+                for a value in force, such as a schedule's) or `"step"` (as
+                `"last"`, in batch logs only: epoch logs and History leave
+                it out, for a figure of one step that says nothing of the
+                epoch).
 
         Raises:
-            ValueError: If `reduction` is not one of `"mean"`, `"sum"` and
-                `"last"`, if
+            ValueError: If `reduction` is not one of `"mean"`, `"sum"`,
+                `"last"` and `"step"`, if
                 `name` is already the name of another metric or output of
                 the model, or if `value` is not a scalar.
 

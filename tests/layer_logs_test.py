@@ -190,18 +190,20 @@ class LayerNormsInLogsTest(testing.TestCase):
             epoch_means(figures, "global"),
             rtol=1e-5,
         )
-        self.assertAllClose(
-            [float(row["grad_norm_step"]) for row in rows],
-            [figures[3]["global"], figures[7]["global"]],
-            rtol=1e-5,
-        )
+        # A step's own figure is no epoch figure: the rows leave it out.
+        self.assertNotIn("grad_norm_step", rows[0])
 
     def test_off_by_default(self):
-        """Without layer_norms_in_logs no grad_norm/<layer> is logged."""
+        """Without layer_norms_in_logs no grad_norm/<layer> is logged; the
+        step's own grad_norm_step reaches batch logs, not History."""
         x, y = testing.classification_data()
-        history = fit(compiled(testing.mlp(Inspected)), x, y, epochs=1)
+        seen = BatchLogs()
+        model = compiled(testing.mlp(Inspected))
+        history = fit(model, x, y, epochs=1, callbacks=[seen])
         self.assertFalse([k for k in history if k.startswith("grad_norm/")])
-        self.assertIn("grad_norm_step", history)
+        self.assertNotIn("grad_norm_step", history)
+        self.assertIn("grad_norm_step", seen.logs[-1])
+        self.assertIn("grad_norm_step", model.metrics_names)
 
     def test_tensorboard_writes_layer_norms(self):
         """Keras' TensorBoard writes grad_norm/<layer> epoch means."""
@@ -409,3 +411,86 @@ class ReportLastTest(testing.TestCase):
         history = fit(compiled(testing.mlp(Counting), **mode), x, y)
         self.assertAllClose(history["step_last"], [3.0, 7.0])
         self.assertAllClose(history["step_mean"], [1.5, 5.5])
+
+
+class ProgressBarLogsTest(testing.TestCase):
+    def bar(self, **options):
+        """Fits with Keras' one-line-per-epoch bar; returns its last line
+        and History's keys."""
+        import contextlib
+        import io
+
+        x, y = testing.classification_data()
+        model = compiled(testing.mlp(Inspected, **options))
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            history = model.fit(
+                x,
+                y,
+                batch_size=BATCH,
+                epochs=1,
+                verbose=2,
+                validation_split=0.25,
+            ).history
+        return printed.getvalue().strip().splitlines()[-1], sorted(history)
+
+    def columns(self, line):
+        return sorted(
+            part.split(":")[0].strip() for part in line.split(" - ")[3:]
+        )
+
+    def test_default_bar_leaves_out_layer_columns(self):
+        """By default the bar shows every log but grad_norm/<layer>, which
+        History, CSVLogger and TensorBoard still get."""
+        line, history = self.bar(layer_norms_in_logs=True)
+        self.assertEqual(self.columns(line), ["grad_norm", "loss", "val_loss"])
+        self.assertEqual(
+            history,
+            [
+                "grad_norm",
+                "grad_norm/hidden",
+                "grad_norm/output",
+                "loss",
+                "val_loss",
+            ],
+        )
+
+    @parameterized.named_parameters(
+        (
+            "patterns",
+            ["loss", "grad_norm*"],
+            [
+                "grad_norm",
+                "grad_norm/hidden",
+                "grad_norm/output",
+                "loss",
+                "val_loss",
+            ],
+        ),
+        ("loss_only", ["loss"], ["loss", "val_loss"]),
+        (
+            "all",
+            "all",
+            [
+                "grad_norm",
+                "grad_norm/hidden",
+                "grad_norm/output",
+                "loss",
+                "val_loss",
+            ],
+        ),
+    )
+    def test_selection_chooses_the_columns(self, selection, shown):
+        """progress_bar_logs picks the columns (a name brings its val_
+        twin); History is unchanged."""
+        line, history = self.bar(
+            layer_norms_in_logs=True, progress_bar_logs=selection
+        )
+        self.assertEqual(self.columns(line), shown)
+        self.assertLen(history, 5)
+
+    def test_bad_selection_is_refused(self):
+        with self.assertRaisesRegex(
+            ValueError, r"Received: progress_bar_logs='loss'"
+        ):
+            testing.mlp(Inspected, progress_bar_logs="loss")

@@ -285,7 +285,7 @@ class CalibratedRunTest(testing.TestCase):
         silently."""
         x, y = testing.classification_data(samples=512)
         with warnings.catch_warnings():
-            warnings.simplefilter("error")
+            warnings.simplefilter("error", UserWarning)
             self.model(self.calibrated(sampling="shuffle")).fit(
                 x, y, batch_size=32, epochs=3, verbose=0
             )

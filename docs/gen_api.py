@@ -1,0 +1,83 @@
+"""Writes the API reference: one page per public symbol of custom_fit.
+
+Run by mkdocs-gen-files at build time. The public symbols are those of
+`custom_fit.__all__`: each class is a page; each module is a page listing
+its public names, with a page for each of them. Found by griffe's static
+analysis of the sources: nothing is imported.
+"""
+
+import griffe
+import mkdocs_gen_files
+
+package = griffe.load("custom_fit", search_paths=["."])
+nav = mkdocs_gen_files.Nav()
+
+
+def public_names(module):
+    """The names a module exports: `__all__`, else its public members."""
+    exported = module.exports
+    if exported:
+        return [str(name) for name in exported]
+    return [
+        name
+        for name, member in module.members.items()
+        if not name.startswith("_")
+        and not member.is_alias
+        and (member.is_class or member.is_function)
+    ]
+
+
+def write(path, title, identifier, children=()):
+    """Writes `api/<path>.md`: the symbol's docstring, and its children."""
+    with mkdocs_gen_files.open(f"api/{path}.md", "w") as page:
+        page.write(f"# {title}\n\n::: {identifier}\n")
+        if children:
+            page.write("    options:\n      members: false\n\n")
+            page.write("| name | summary |\n|---|---|\n")
+            for name, summary in children:
+                page.write(f"| [`{name}`]({path}.{name}.md) | {summary} |\n")
+
+
+def summary(member):
+    """The first line of a member's docstring, for a table cell."""
+    text = member.docstring.value if member.docstring else ""
+    return text.splitlines()[0].replace("|", "\\|") if text else ""
+
+
+for name in package.exports:
+    member = package.members[str(name)]
+    target = member.final_target if member.is_alias else member
+    identifier = f"custom_fit.{name}"
+    if target.is_module:
+        children = []
+        for child in public_names(target):
+            child_member = target.members[child]
+            child_target = (
+                child_member.final_target
+                if child_member.is_alias
+                else child_member
+            )
+            children.append((child, summary(child_target)))
+            write(
+                f"{identifier}.{child}",
+                f"`{identifier}.{child}`",
+                f"{identifier}.{child}",
+            )
+            nav[(identifier, child)] = f"{identifier}.{child}.md"
+        write(identifier, f"`{identifier}`", identifier, children)
+        nav[(identifier,)] = f"{identifier}.md"
+    else:
+        write(identifier, f"`{identifier}`", identifier)
+        nav[(identifier,)] = f"{identifier}.md"
+
+with mkdocs_gen_files.open("api/index.md", "w") as index:
+    index.write(
+        "# API reference\n\nEvery public name of custom_fit, one page each, "
+        "from its docstring.\n\n"
+    )
+    for name in package.exports:
+        index.write(f"- [`custom_fit.{name}`](custom_fit.{name}.md)\n")
+
+with mkdocs_gen_files.open("api/SUMMARY.md", "w") as summary_file:
+    summary_file.write("* [Overview](index.md)\n")
+    summary_file.writelines(nav.build_literate_nav())

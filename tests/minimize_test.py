@@ -235,8 +235,8 @@ class GANTest(testing.TestCase):
         )
 
     def test_each_network_logs_its_own_inspection(self):
-        """Each network's grad_norm is logged under its name and equals the norm of its gradient; per-layer
-        norms are readable on each."""
+        """Each network's grad_norm is logged under its name and equals the
+        norm of its gradient; per-layer norms are readable on each."""
         expected = alternating_sgd(real_data(), 32, steps=1, clipnorm=0.1)
         d_grads, g_grads = expected["d_grads"][0], expected["g_grads"][0]
         self.assertGreater(global_norm(d_grads), 0.5)  # the clip bites

@@ -132,10 +132,12 @@ class Option:
 
     def __set__(self, instance: object, value: Any) -> None:
         raise AttributeError(
-            f"`{self.name}` is fixed when the model is built, because the "
-            f"training step is traced with it. Received an assignment: "
-            f"{self.name}={value!r}. Pass it to the constructor instead, or "
-            "rebuild the model from a modified `get_config()`."
+            f"`{self.name}` is fixed when the model is built: the compiled "
+            "step of TensorFlow and JAX is traced with it and would ignore "
+            "a new value, so it is refused on every backend alike. Received "
+            f"an assignment: {self.name}={value!r}. Pass it to the "
+            "constructor instead, or build a new model from a modified "
+            "`get_config()`."
         )
 
 

@@ -440,7 +440,7 @@ class GradientAlarm(keras.callbacks.Callback):
 
 
 # What `PrivacyBudget` does before `max_epsilon` is exceeded.
-_WHEN_EXHAUSTED = ("stop", "warn")
+_BUDGET_ACTIONS = ("stop", "warn")
 
 
 class PrivacyBudget(keras.callbacks.Callback):
@@ -453,7 +453,7 @@ class PrivacyBudget(keras.callbacks.Callback):
     `max_epsilon`, it stops training before the budget is exceeded: when
     `fit` begins it finds how many private steps the budget allows, and it
     stops after the last call of the train function that stays within them
-    (`when_exhausted="stop"`, the default), or warns once when the next
+    (`action="stop"`, the default), or warns once when the next
     call would pass it and lets training go on (`"warn"`). A budget already
     spent when `fit` begins stops it before its first step (`"stop"`).
 
@@ -484,7 +484,7 @@ class PrivacyBudget(keras.callbacks.Callback):
         delta: Float in (0, 1 / num_examples).
         max_epsilon: Float or `None`. The budget: stop (or warn) before
             epsilon exceeds it.
-        when_exhausted: `"stop"` or `"warn"`: what to do before the budget
+        action: `"stop"` or `"warn"`: what to do before the budget
             is exceeded. Needs `max_epsilon`.
         accountant: `"rdp"` (default) or `"pld"`; see
             `custom_fit.privacy.epsilon`.
@@ -514,7 +514,7 @@ class PrivacyBudget(keras.callbacks.Callback):
         max_epsilon: float | None = None,
         accountant: str = "rdp",
         sampling: str | None = None,
-        when_exhausted: str = "stop",
+        action: str = "stop",
     ) -> None:
         super().__init__()
         self.num_examples = _validation.positive_int(
@@ -535,15 +535,13 @@ class PrivacyBudget(keras.callbacks.Callback):
         # Zero steps spend nothing; the call checks `delta` against
         # `num_examples` now, and that dp-accounting is installed.
         privacy.epsilon(0, self.batch_size, self.num_examples, 1.0, delta)
-        self.when_exhausted = _validation.one_of(_WHEN_EXHAUSTED)(
-            "when_exhausted", when_exhausted
-        )
-        if when_exhausted != "stop" and self.max_epsilon is None:
+        self.action = _validation.one_of(_BUDGET_ACTIONS)("action", action)
+        if action != "stop" and self.max_epsilon is None:
             raise ValueError(
-                "`when_exhausted` says what to do before `max_epsilon` is "
+                "`action` says what to do before `max_epsilon` is "
                 "exceeded, and no max_epsilon is set. Received: "
-                f"when_exhausted={when_exhausted!r}, max_epsilon=None. Pass "
-                "a max_epsilon, or leave when_exhausted out."
+                f"action={action!r}, max_epsilon=None. Pass "
+                "a max_epsilon, or leave action out."
             )
         self.epsilons: list[float] = []
         self._noise = 0.0
@@ -588,7 +586,7 @@ class PrivacyBudget(keras.callbacks.Callback):
                     f"the budget is already spent: "
                     f"{self._steps_run()} private steps ran"
                 )
-                if self.when_exhausted == "stop":
+                if self.action == "stop":
                     raise RuntimeError(
                         "PrivacyBudget: the private steps run so far "
                         f"({self._steps_run()}) already spend more than "
@@ -668,13 +666,13 @@ class PrivacyBudget(keras.callbacks.Callback):
 
     def _exhausted(self, why: str) -> None:
         """Stops training, or warns once, at the budget."""
-        if self.when_exhausted == "warn":
+        if self.action == "warn":
             if not self._warned:
                 self._warned = True
                 warnings.warn(
                     f"PrivacyBudget: max_epsilon={self.max_epsilon} is "
                     f"reached: {why}. Training goes on "
-                    "(when_exhausted='warn'), spending more than the budget.",
+                    "(action='warn'), spending more than the budget.",
                     UserWarning,
                     stacklevel=2,
                 )

@@ -1271,7 +1271,7 @@ class PrivacyBudgetTest(testing.TestCase):
         self.assertGreater(spent[model.private_steps + per_call], max_epsilon)
 
     def test_warns_once_and_goes_on_when_asked(self):
-        """`when_exhausted="warn"` warns once before the budget is passed
+        """`action="warn"` warns once before the budget is passed
         and trains every epoch."""
         x, y = testing.classification_data(samples=4 * BATCH)
         budget = callbacks.PrivacyBudget(
@@ -1279,7 +1279,7 @@ class PrivacyBudgetTest(testing.TestCase):
             batch_size=BATCH,
             delta=1e-3,
             max_epsilon=dp_accounting_gaussian_epsilon(1, 1.1, 1e-3),
-            when_exhausted="warn",
+            action="warn",
         )
         with self.assertWarnsRegex(UserWarning, "Training goes on") as caught:
             history = self.private_model().fit(

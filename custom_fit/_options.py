@@ -50,8 +50,8 @@ class Option:
     is validated when the model is built, checked against the options it
     `requires` and `excludes`, listed in `inspect.signature` and `help()`,
     saved in `get_config()` and restored by `from_config` and `.keras`
-    loading. Read it as `model.<name>`; assigning it raises, because the
-    training step is traced with it (on every backend alike). A misspelled
+    loading. Read it as `model.<name>`; assigning it raises on every
+    backend, because the compiled step is traced with it. A misspelled
     keyword is refused with "Did you mean", and an option of a mixin the
     model lacks names the mixin to add.
 
@@ -62,8 +62,8 @@ class Option:
             validators of `custom_fit.options`), or `None` to accept any
             value.
         requires: Tuple of option names. A value other than `default` has
-            an effect only when one of them is set (not `None` or `False`);
-            otherwise it is refused.
+            an effect only when one of them is set (away from its default,
+            and not `None` or `False`); otherwise it is refused.
         excludes: Tuple of option names that cannot be set together with
             this one (both away from their defaults).
         schedulable: Bool. The option also accepts a
@@ -121,6 +121,15 @@ class Option:
         self.logged_as = self.logged_as or name
         self.owner = owner
         _OWNERS.setdefault(name, []).append(owner)
+        # What `help()` and the API reference show for the attribute.
+        self.__doc__ = (
+            f"The constructor option `{name}` of {owner.__name__} (see the "
+            "class's Args): read-only."
+        )
+
+    def __repr__(self) -> str:
+        schedulable = ", schedulable=True" if self.schedulable else ""
+        return f"Option(default={self.default!r}{schedulable})"
 
     def __get__(self, instance: object, owner: type | None = None) -> Any:
         if instance is None:

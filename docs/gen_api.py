@@ -27,10 +27,17 @@ def public_names(module):
     ]
 
 
-def write(path, title, identifier, children=()):
-    """Writes `api/<path>.md`: the symbol's docstring, and its children."""
+def write(path, identifier, children=(), signature=True):
+    """Writes `api/<path>.md`: the symbol's docstring, and its children.
+
+    A mixin's signature is left out: its constructor takes `*args,
+    **kwargs` (Keras' model arguments) and its options, which its Args
+    list (`help()` shows them in the signature).
+    """
     with mkdocs_gen_files.open(f"api/{path}.md", "w") as page:
-        page.write(f"# {title}\n\n::: {identifier}\n")
+        page.write(f"::: {identifier}\n")
+        if not signature:
+            page.write("    options:\n      show_signature: false\n\n")
         if children:
             page.write("    options:\n      members: false\n\n")
             page.write("| name | summary |\n|---|---|\n")
@@ -58,16 +65,17 @@ for name in package.exports:
                 else child_member
             )
             children.append((child, summary(child_target)))
-            write(
-                f"{identifier}.{child}",
-                f"`{identifier}.{child}`",
-                f"{identifier}.{child}",
-            )
+            write(f"{identifier}.{child}", f"{identifier}.{child}")
             nav[(identifier, child)] = f"{identifier}.{child}.md"
-        write(identifier, f"`{identifier}`", identifier, children)
+        write(identifier, identifier, children)
         nav[(identifier,)] = f"{identifier}.md"
     else:
-        write(identifier, f"`{identifier}`", identifier)
+        mixin = (
+            target.is_class
+            and any("TrainStepMixin" in str(base) for base in target.bases)
+            or str(name) == "TrainStepMixin"
+        )
+        write(identifier, identifier, signature=not mixin)
         nav[(identifier,)] = f"{identifier}.md"
 
 with mkdocs_gen_files.open("api/index.md", "w") as index:

@@ -12,7 +12,9 @@ Two callbacks that `fit` adds to the user's (see `KerasModel.fit`):
   columns); every callback and History still receive them all.
 """
 
+import difflib
 import fnmatch
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -58,12 +60,32 @@ class ProgressBar(keras.callbacks.ProgbarLogger):
     def __init__(self, selection: Any) -> None:
         super().__init__()
         self._selection = selection
+        self._seen: set[str] = set()
+        self._checked = False
 
     def _shown(self, logs: Logs | None) -> Logs | None:
         """Returns the logs the bar shows."""
         if logs is None or self._selection == ALL:
             return logs
+        self._seen.update(logs)
         return {k: v for k, v in logs.items() if selected(k, self._selection)}
+
+    def _check_selection(self) -> None:
+        """Warns once for names of the selection that match no log."""
+        if self._checked or self._selection in (None, ALL):
+            return
+        self._checked = True
+        for pattern in self._selection:
+            if any(selected(key, (pattern,)) for key in self._seen):
+                continue
+            close = difflib.get_close_matches(pattern, sorted(self._seen), n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            warnings.warn(
+                f"progress_bar_logs names {pattern!r}, which matches no log "
+                f"of this fit: the logs are {sorted(self._seen)}.{hint}",
+                UserWarning,
+                stacklevel=2,
+            )
 
     def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
         """Shows the selected logs of the batch."""
@@ -75,7 +97,9 @@ class ProgressBar(keras.callbacks.ProgbarLogger):
 
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
         """Shows the selected logs of the epoch."""
-        super().on_epoch_end(epoch, self._shown(logs))
+        shown = self._shown(logs)
+        self._check_selection()
+        super().on_epoch_end(epoch, shown)
 
     def on_test_end(self, logs: Logs | None = None) -> None:
         """Shows the selected logs of the evaluation."""

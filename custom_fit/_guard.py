@@ -30,10 +30,10 @@ from typing import Any
 import keras
 from keras import ops
 
+from custom_fit import _figures
 from custom_fit import _model_state
 from custom_fit import _state
 from custom_fit import backend
-from custom_fit import clipping
 from custom_fit import pipeline
 from custom_fit import spikes
 from custom_fit._types import Gradients
@@ -186,7 +186,9 @@ class Guard:
         Returns:
             A boolean scalar tensor, or `None` when the guard is off.
         """
-        return clipping.all_finite(gradients) if self.active else None
+        if not self.active:
+            return None
+        return _figures.of(self._model, gradients).finite
 
     def decide(
         self,
@@ -213,9 +215,12 @@ class Guard:
         )
         if not (self.active or scale_optimizer):
             return Verdict(None, None)
-        finite = clipping.all_finite(gradients)
+        figures = _figures.of(self._model, gradients)
+        finite = figures.finite
         if self.active:
-            finite = ops.logical_and(finite, clipping.all_finite(transformed))
+            finite = ops.logical_and(
+                finite, _figures.of(self._model, transformed).finite
+            )
         explained = None
         if scale_optimizer:
             explained = ops.greater(
@@ -223,7 +228,7 @@ class Guard:
             )
         if not self._watches_spikes():
             return Verdict(finite, explained)
-        norm = clipping.global_norm(gradients)
+        norm = figures.norm
         spike = spikes.is_spike(
             norm,
             bound=self._model.option_in_step("skip_gradient_norm_above"),

@@ -156,6 +156,11 @@ class Option:
 _OWNERS: dict[str, list[type]] = {}
 
 
+def is_option_name(name: str) -> bool:
+    """Returns whether some class declares an option named `name`."""
+    return name in _OWNERS
+
+
 def _any_value(name: str, value: Any) -> Any:
     """Accepts any value: the validator of an `Option` declared without."""
     del name
@@ -407,7 +412,17 @@ def store_options(
         if name not in values:
             continue
         value = values[name]
-        if option.schedulable and _validation.is_schedule(value):
+        if _validation.is_schedule(value):
+            if not option.schedulable:
+                schedulable = [
+                    other for other, o in options.items() if o.schedulable
+                ]
+                raise ValueError(
+                    f"`{name}` takes a fixed value, not a schedule. Received: "
+                    f"{name}={type(value).__name__}(...). Pass a number; the "
+                    f"options of {type(instance).__name__} that take a "
+                    f"schedule are {schedulable}."
+                )
             stored[name] = value
             continue
         stored[name] = option.validate(name, value)

@@ -14,6 +14,7 @@ import keras
 
 from custom_fit import _gradient_ops
 from custom_fit import _options
+from custom_fit import _validation
 from custom_fit import pipeline
 from custom_fit._types import Gradients
 from custom_fit._types import Optimizer
@@ -147,6 +148,78 @@ def refuse_options_hiding_keras(cls: type) -> None:
                 f"{owner}.{name} = Option(...). Give the option another "
                 "name."
             )
+
+
+def check_declared_options(cls: type) -> None:
+    """Raises for an option declared twice, or naming no option.
+
+    An option declared again by a class that does not derive from the
+    first declarer would hide the first declaration from the mixin that
+    reads it (its `kind`, its validator); `requires`
+    and `excludes` naming an option no class declares is a typo that would
+    make the check pass or fail for nothing.
+
+    Raises:
+        TypeError: Naming the option, the classes and the fix.
+    """
+    owners: dict[str, type] = {}
+    for klass in reversed(cls.__mro__):
+        for name, attribute in vars(klass).items():
+            if not isinstance(attribute, _options.Option):
+                continue
+            first = owners.get(name)
+            if first is not None and not issubclass(klass, first):
+                # A subclass may narrow its base's option (PCGradMixin's
+                # `per_loss_gradients`); another mixin may not hide it.
+                raise TypeError(
+                    f"{klass.__name__} declares the option `{name}`, which "
+                    f"{_options.shown_class(first)} declares already: the "
+                    "second would hide the first from the mixin that reads "
+                    f"it. Received: {klass.__name__}.{name} = Option(...). "
+                    "Give your option another name."
+                )
+            owners[name] = klass
+            _check_default(klass, name, attribute)
+            if not _is_model_class(cls):
+                # Options named may be declared by mixins defined later.
+                continue
+            for argument in ("requires", "excludes"):
+                unknown = [
+                    other
+                    for other in getattr(attribute, argument)
+                    if not _options.is_option_name(other)
+                ]
+                if unknown:
+                    raise TypeError(
+                        f"The option `{name}` of {klass.__name__} {argument} "
+                        f"options that no class declares: {unknown}. "
+                        f"Received: {argument}={getattr(attribute, argument)}. "
+                        "Name declared options only."
+                    )
+
+
+def _is_model_class(cls: type) -> bool:
+    """Returns whether `cls` derives from a Keras class: a model, no mixin."""
+    return any(
+        klass.__module__.split(".")[0] in _KERAS_PACKAGES
+        for klass in cls.__mro__
+    )
+
+
+def _check_default(klass: type, name: str, option: Any) -> None:
+    """Raises if an option's default (other than `None`) fails its check."""
+    default = option.default
+    if default is None or (
+        option.schedulable and _validation.is_schedule(default)
+    ):
+        return
+    try:
+        option.validate(name, default)
+    except ValueError as error:
+        raise TypeError(
+            f"The default of the option `{name}` of {klass.__name__} is "
+            f"refused by its own validator: {error}"
+        ) from None
 
 
 def checked_step(step: Any, kind: str) -> Any:

@@ -167,13 +167,13 @@ def positive_float(name: str, value: Any) -> float:
     Raises:
         ValueError: If `value` is not a finite number greater than zero.
     """
-    if value is None:
+    number = _as_finite_float(value)
+    if number is None or number <= 0:
         raise ValueError(
-            f"`{name}` must be a finite float greater than 0. "
-            f"Received: {name}=None. Pass a positive number."
+            f"`{name}` must be a finite float greater than 0. Received: "
+            f"{name}={shown(value)}. Pass a positive number such as "
+            f"{name}=1.0."
         )
-    number = positive_float_or_none(name, value)
-    assert number is not None  # refused above  # noqa: S101
     return number
 
 
@@ -216,7 +216,7 @@ def positive_int_or_none(name: str, value: Any) -> int | None:
     """
     if value is None:
         return None
-    return positive_int(name, value, "or None for no limit")
+    return positive_int(name, value, "or None")
 
 
 def positive_int(name: str, value: Any, alternative: str = "") -> int:

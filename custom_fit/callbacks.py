@@ -88,7 +88,9 @@ class GradientNormHistory(keras.callbacks.Callback):
             counted from the start of each fit.
 
     Attributes:
-        steps: List of optimizer steps at which norms were recorded.
+        steps: List of optimizer steps at which norms were recorded, each
+            once. A step that `skip_nonfinite` skipped has the update count
+            of the update after it, whose figures replace its own.
         norms: Dict of layer name to the list of its recorded norms, one
             per entry of `steps` (NaN where the layer was not trained).
 
@@ -129,7 +131,14 @@ class GradientNormHistory(keras.callbacks.Callback):
         if self._calls % self.every_n_batches or not _new_figures(self):
             return
         norms = self.model.gradient_norms
-        self.steps.append(self.model.inspected_step)
+        step = self.model.inspected_step
+        if self.steps and self.steps[-1] == step:
+            # A skipped step has the update count of the update after it,
+            # which replaces it: steps stay unique.
+            self.steps.pop()
+            for history in self.norms.values():
+                history.pop()
+        self.steps.append(step)
         for layer in norms:
             if layer not in self.norms:
                 self.norms[layer] = [math.nan] * (len(self.steps) - 1)
@@ -580,21 +589,35 @@ class PrivacyBudget(keras.callbacks.Callback):
         self._warned = False
         self._allowed = None
         if self.max_epsilon is not None:
-            self._allowed = self._allowed_steps(self._steps_run())
-            if self._allowed < self._steps_run():
+            done = self._steps_run()
+            self._allowed = self._allowed_steps(done)
+            self._epoch_start = done
+            after_first = done + self._steps_per_call()
+            if after_first > self._allowed:
                 self._exhausted(
-                    f"the budget is already spent: "
-                    f"{self._steps_run()} private steps ran"
+                    f"the first call of this fit would pass it ({done} "
+                    f"private steps ran, {after_first} after it, against "
+                    f"the {max(self._allowed, 0)} it allows)"
                 )
                 if self.action == "stop":
                     raise RuntimeError(
-                        "PrivacyBudget: the private steps run so far "
-                        f"({self._steps_run()}) already spend more than "
+                        f"PrivacyBudget: the private steps run so far "
+                        f"({done}) and those of this fit's first call "
+                        f"({after_first} in all) spend more than "
                         f"max_epsilon={self.max_epsilon}, so this fit would "
-                        "spend more. Received: max_epsilon="
+                        "pass the budget. Received: max_epsilon="
                         f"{self.max_epsilon}. Train no further, or pass a "
                         "larger max_epsilon."
                     )
+
+    def _steps_per_call(self) -> int:
+        """Returns the private steps one call of the train function runs.
+
+        Updates, rounded up with accumulation: never under.
+        """
+        accumulation = self.model.gradient_accumulation_steps or 1
+        per_call = self.model.steps_per_execution or 1
+        return -(-per_call // accumulation)
 
     def _steps_run(self) -> int:
         """The private steps the model ran so far (a read from the device)."""

@@ -122,6 +122,23 @@ def _clip_factor(norm: Tensor, max_norm: float) -> Tensor:
     return ops.where(norm > max_norm, max_norm / safe_norm, ops.ones_like(norm))
 
 
+def global_clip_factor(norm: Tensor, global_clipnorm: float) -> Tensor:
+    """Returns the factor `clip_by_global_norm` multiplies every gradient by.
+
+    `global_clipnorm / norm` above the bound, else 1; NaN when `norm` is
+    not finite, so that the clipped step is recognised as non-finite.
+
+    Args:
+        norm: Float32 scalar tensor, the global norm of the gradients.
+        global_clipnorm: Positive float. The largest global L2 norm.
+
+    Returns:
+        A float32 scalar tensor.
+    """
+    # `norm - norm` is 0 for a finite norm and NaN otherwise.
+    return _clip_factor(norm, global_clipnorm) + (norm - norm)
+
+
 def clip_by_norm(gradients: Sequence[Gradient], clipnorm: float) -> Gradients:
     """Rescales each gradient separately so its L2 norm is at most `clipnorm`.
 
@@ -152,7 +169,9 @@ def clip_by_norm(gradients: Sequence[Gradient], clipnorm: float) -> Gradients:
 
 
 def clip_by_global_norm(
-    gradients: Sequence[Gradient], global_clipnorm: float
+    gradients: Sequence[Gradient],
+    global_clipnorm: float,
+    norm: Tensor | None = None,
 ) -> Gradients:
     """Rescales all gradients together so their global norm is at most a bound.
 
@@ -165,6 +184,8 @@ def clip_by_global_norm(
     Args:
         gradients: List of tensors, `tf.IndexedSlices` or `None`.
         global_clipnorm: Positive float. The largest global L2 norm.
+        norm: Optional float32 scalar tensor: the gradients' global norm,
+            when the caller has it already (it is not computed again).
 
     Returns:
         The list of clipped gradients.
@@ -178,9 +199,9 @@ def clip_by_global_norm(
     ```
     """
     gradients = [_gradient_ops.deduplicate(g) for g in gradients]
-    norm = global_norm(gradients)
-    # `norm - norm` is 0 for a finite norm and NaN otherwise.
-    factor = _clip_factor(norm, global_clipnorm) + (norm - norm)
+    if norm is None:
+        norm = global_norm(gradients)
+    factor = global_clip_factor(norm, global_clipnorm)
     return [None if g is None else _scale(g, factor) for g in gradients]
 
 

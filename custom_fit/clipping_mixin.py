@@ -3,6 +3,7 @@
 from collections.abc import Sequence
 from typing import Any
 
+from custom_fit import _figures
 from custom_fit import _options
 from custom_fit import _validation
 from custom_fit import clipping
@@ -185,12 +186,32 @@ class GradientClippingMixin(TrainStepMixin):
             clipvalue=self.option_in_step("clipvalue"),
             clipnorm=self.option_in_step("clipnorm"),
             group_clipnorm=self.option_in_step("layer_clipnorm"),
-            global_clipnorm=self.option_in_step("global_clipnorm"),
         )
+        global_clipnorm = self.option_in_step("global_clipnorm")
+        if global_clipnorm is not None:
+            clipped = self._clip_globally(clipped, global_clipnorm)
         return [
             new if keep else old
             for old, new, keep in zip(gradients, clipped, selected)
         ]
+
+    def _clip_globally(
+        self, gradients: Gradients, global_clipnorm: Any
+    ) -> Gradients:
+        """Global clipping, with the update's shared figures.
+
+        The norm is that of the update's figures when the gradients are the
+        true ones (nothing clipped before, every layer selected), so no
+        second pass reads them; the clipped list's figures are known from
+        the factor and registered for inspection and the guard.
+        """
+        figures = _figures.of(self, gradients)
+        clipped = clipping.clip_by_global_norm(
+            gradients, global_clipnorm, norm=figures.norm
+        )
+        factor = clipping.global_clip_factor(figures.norm, global_clipnorm)
+        _figures.register(self, figures.scaled(clipped, factor))
+        return clipped
 
     def _is_clipped(self, owner: str) -> bool:
         """Returns whether gradients of the group named `owner` are clipped.

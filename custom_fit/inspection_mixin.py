@@ -7,13 +7,13 @@ from typing import Any
 import numpy as np
 from keras import ops
 
+from custom_fit import _figures
 from custom_fit import _gradient_ops
 from custom_fit import _model_state
 from custom_fit import _options
 from custom_fit import _state
 from custom_fit import _validation
 from custom_fit import backend
-from custom_fit import clipping
 from custom_fit import inspection
 from custom_fit import pipeline
 from custom_fit._types import Gradients
@@ -187,26 +187,30 @@ class GradientInspectionMixin(TrainStepMixin):
         )
         owners = self.layer_names_of(variables)
         state = self._inspection_state(owners, variables)
-        # Every variable belongs to one layer: one pass over the gradients
-        # gives the layers' norms and the global norm.
-        squares = inspection.group_squared_norms(
-            gradients, owners, state.layers
+        # Every variable belongs to one layer: the update's figures (one
+        # pass over the gradients, shared) give the layers' norms and the
+        # global norm.
+        squares = _figures.of(self, gradients).group_squares(
+            owners, state.layers
         )
         layer_norms = ops.sqrt(squares)
         global_norm = ops.sqrt(ops.sum(squares))
-        self.report_metric("grad_norm", global_norm)
+        self._report("grad_norm", global_norm)
         # The step's own figure, for batch-level callbacks (spikes).
-        self.report_metric("grad_norm_step", global_norm, reduction="step")
+        # Not held: a skipped step's own figure (NaN) is what it shows.
+        self._report(
+            "grad_norm_step", global_norm, reduction="step", held=False
+        )
         if self.layer_norms_in_logs:
             for index, layer in enumerate(state.layers):
-                self.report_metric(f"grad_norm/{layer}", layer_norms[index])
+                self._report(f"grad_norm/{layer}", layer_norms[index])
         if _options.any_set(self, "clipping"):
-            clipped_norm = clipping.global_norm(transformed_gradients)
-            self.report_metric("grad_norm_clipped", clipped_norm)
+            clipped_norm = _figures.of(self, transformed_gradients).norm
+            self._report("grad_norm_clipped", clipped_norm)
             # Every clipping only scales down, so it bit if the norm fell
             # (beyond the rounding of two summation orders).
             bit = clipped_norm < global_norm * (1.0 - _ROUNDING)
-            self.report_metric("clip_rate", ops.cast(bit, "float32"))
+            self._report("clip_rate", ops.cast(bit, "float32"))
         optimizer = optimizer or self.optimizer
 
         def record() -> None:

@@ -18,7 +18,10 @@ epsilon = custom_fit.privacy.epsilon(
 ```
 """
 
+import contextlib
+import logging
 import math
+from collections.abc import Iterator
 from collections.abc import Sequence
 from typing import Any
 
@@ -414,6 +417,35 @@ def check_run(
     )
 
 
+def check_accounted_run(
+    num_examples: int, batch_size: int, run: TrainingRun
+) -> None:
+    """Raises if an accountant is told another data set or batch than `run`.
+
+    Args:
+        num_examples: The training set's size the accountant is told.
+        batch_size: The (logical) batch size it is told.
+        run: The `TrainingRun` `fit` is about to make.
+
+    Raises:
+        ValueError: Naming the setting that differs; the epsilon would be
+            computed for another run than the one trained.
+    """
+    for name, told, trained in (
+        ("num_examples", num_examples, run.num_examples),
+        ("batch_size", batch_size, run.batch_size),
+    ):
+        if trained is not None and told != trained:
+            raise ValueError(
+                f"PrivacyBudget is told {name}={told}, and this fit trains "
+                f"with {name}={trained} ({run.described}): the epsilon it "
+                "reports would be that of another run, too low where the "
+                "data set is smaller or the batches larger than told. "
+                f"Received: {name}={told}. Pass {name}={trained} to "
+                "PrivacyBudget."
+            )
+
+
 def _check_calibrated_run(noise: CalibratedNoise, run: TrainingRun) -> None:
     """Raises if `run` draws its batches unlike the noise's calibration."""
     fix = (
@@ -607,9 +639,7 @@ def _spent(
 ) -> float:
     """Returns dp-accounting's epsilon for checked arguments."""
     try:
-        import dp_accounting
-        from dp_accounting import pld
-        from dp_accounting import rdp
+        import dp_accounting  # noqa: F401  (used in `_ledger_epsilon`)
     except ImportError as error:
         raise ImportError(
             "custom_fit.privacy computes epsilon with Google's "
@@ -619,6 +649,49 @@ def _spent(
         ) from error
     if steps == 0:
         return 0.0
+    with _quiet_accountant():
+        return _ledger_epsilon(
+            steps,
+            batch_size,
+            num_examples,
+            noise_multiplier,
+            delta,
+            accountant,
+            sampling,
+        )
+
+
+@contextlib.contextmanager
+def _quiet_accountant() -> Iterator[None]:
+    """Silences dp-accounting's warnings of orders it leaves out.
+
+    Its RDP accountant logs one line per Rényi order whose series does not
+    converge and leaves that order out of the minimum (the epsilon stays a
+    valid bound): dozens of lines per call, none a problem of the run.
+    """
+    log = logging.getLogger("absl")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def _ledger_epsilon(
+    steps: int,
+    batch_size: int,
+    num_examples: int,
+    noise_multiplier: float,
+    delta: float,
+    accountant: str,
+    sampling: str,
+) -> float:
+    """Returns dp-accounting's epsilon of the run (dp-accounting imported)."""
+    import dp_accounting
+    from dp_accounting import pld
+    from dp_accounting import rdp
+
     gaussian = dp_accounting.GaussianDpEvent(noise_multiplier)
     if sampling == "poisson":
         event = dp_accounting.SelfComposedDpEvent(

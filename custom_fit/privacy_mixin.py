@@ -19,6 +19,7 @@ from custom_fit import _options
 from custom_fit import _state
 from custom_fit import _validation
 from custom_fit import backend
+from custom_fit import callbacks as callbacks_module
 from custom_fit import ghost
 from custom_fit import pipeline
 from custom_fit import privacy
@@ -93,6 +94,8 @@ def _training_run(
         split = arguments.get("validation_split") or 0.0
         if split:
             num_examples = int(math.floor(num_examples * (1.0 - split)))
+        # Keras' batches hold all the data when the batch size exceeds it.
+        batch_size = min(batch_size, num_examples)
         if per_epoch is None:
             per_epoch = -(-num_examples // batch_size)
         described = f"arrays in batches of batch_size={batch_size}"
@@ -344,8 +347,10 @@ class DifferentialPrivacyMixin(TrainStepMixin):
         `expected_batch_size` equal to its batch size, shuffled batches
         (arrays) need it left out, and a noise from
         `custom_fit.privacy.calibrate_noise` must see the sampling, batch
-        size and data set size it was calibrated for. A fit that runs past
-        the calibrated steps warns.
+        size and data set size it was calibrated for, and a
+        `custom_fit.callbacks.PrivacyBudget` among the callbacks must be told
+        the data set size and batch size `fit` trains with. A fit that runs
+        past the calibrated steps warns.
 
         Returns:
             A `History` object, as `keras.Model.fit` returns.
@@ -354,12 +359,21 @@ class DifferentialPrivacyMixin(TrainStepMixin):
             ValueError: When the run would not be the one accounted.
         """
         arguments = _keras_model.KERAS_FIT.bind(self, *args, **kwargs).arguments
+        accumulation = self.gradient_accumulation_steps or 1
+        run = _training_run(arguments, accumulation)
         warning = privacy.check_run(
             self.noise_multiplier,
             self.expected_batch_size,
-            _training_run(arguments, self.gradient_accumulation_steps or 1),
+            run,
             self.private_steps,
         )
+        for callback in arguments.get("callbacks") or ():
+            if isinstance(callback, callbacks_module.PrivacyBudget):
+                privacy.check_accounted_run(
+                    callback.num_examples,
+                    callback.batch_size * accumulation,
+                    run,
+                )
         if warning:
             warnings.warn(warning, UserWarning, stacklevel=2)
         return super().fit(*args, **kwargs)

@@ -11,6 +11,7 @@ from typing import TypeVar
 import keras
 from keras import ops
 
+from custom_fit import _figures
 from custom_fit import _gradient_ops
 from custom_fit import _guard
 from custom_fit import _keras_compat
@@ -259,6 +260,7 @@ class TrainStepMixin(
         super().__init_subclass__(**kwargs)
         _step_checks.refuse_keras_before_mixins(cls, TrainStepMixin)
         _step_checks.refuse_options_hiding_keras(cls)
+        _step_checks.check_declared_options(cls)
         for kind in ("train_step", "test_step"):
             step = vars(cls).get(kind)
             if step is not None and not hasattr(step, "custom_fit_checked"):
@@ -710,8 +712,23 @@ class TrainStepMixin(
         overwrites with their "gradient" (`overwrite_with_gradient`: the
         scales and amax history of float8 layers) pass through none of it:
         their values are written as they are, as Keras' optimizer does,
-        when the batch counts.
+        when the batch counts. The gradient figures (norms, finiteness)
+        are computed once for the update and shared (`custom_fit._figures`).
         """
+        with _figures.open_book(self):
+            return self._update_with_figures(
+                loss, aux, gradients, variables, optimizer
+            )
+
+    def _update_with_figures(
+        self,
+        loss: Tensor,
+        aux: Any,
+        gradients: Gradients,
+        variables: list[Variable],
+        optimizer: Optimizer,
+    ) -> "_Update":
+        """`_update`, inside the update's book of figures."""
         guard = _model_state.state_of(self).guard
         gradients, variables, overwritten = pipeline.split_overwritten(
             gradients, variables
@@ -770,6 +787,13 @@ class TrainStepMixin(
             ...
         ```
         """
+        options = _options.declared_options(type(self))
+        if name not in options:
+            raise ValueError(
+                f"`option_in_step` reads a declared option of the model. "
+                f"Received: name={name!r}. The options of "
+                f"{type(self).__name__} are {list(options)}."
+            )
         value = getattr(self, name)
         if not _validation.is_schedule(value):
             return value
@@ -780,8 +804,7 @@ class TrainStepMixin(
         current = ops.cast(
             value(ops.convert_to_tensor(optimizer.iterations)), "float32"
         )
-        option = _options.declared_options(type(self))[name]
-        self._report(option.logged_as, current, reduction="last")
+        self._report(options[name].logged_as, current, reduction="last")
         return current
 
     def _add_penalties(self, loss: Tensor, penalty_inputs: Any) -> Tensor:
@@ -988,7 +1011,8 @@ class TrainStepMixin(
             ValueError: If `reduction` is not one of `"mean"`, `"sum"`,
                 `"last"` and `"step"`, if
                 `name` is already the name of another metric or output of
-                the model, or if `value` is not a scalar.
+                the model or one the model's mixins log (`grad_norm`), or if
+                `value` is not a scalar.
 
         Example:
 
@@ -1008,6 +1032,13 @@ class TrainStepMixin(
                 f"The model already has an output named {name!r}, under "
                 f"which Keras logs its losses and metrics. Received: "
                 f"name={name!r}. Report it under another name."
+            )
+        reserved = _options.declared_reports(type(self))
+        if name in reserved or any(name.startswith(f"{r}/") for r in reserved):
+            raise ValueError(
+                f"The mixins of {type(self).__name__} log {name!r} "
+                "themselves; a report of yours would be averaged with theirs. "
+                f"Received: name={name!r}. Report it under another name."
             )
         self._report(name, value, sample_weight, reduction)
 

@@ -130,10 +130,9 @@ class BackendSelectionTest(testing.TestCase):
             model.save(path)
             loaded = keras.saving.load_model(path)
             assert loaded.global_clipnorm == 1.0
-            board = custom_fit.callbacks.GradientTensorBoard(tempfile.mkdtemp())
             try:
-                model.fit(x, y, epochs=1, verbose=0, callbacks=[board])
-            except ImportError as error:
+                custom_fit.callbacks.GradientTensorBoard(tempfile.mkdtemp())
+            except ImportError as error:  # when it is made
                 print("tensorboard:", error)
             print("keys:", sorted(history.history))
             print("tensorflow:", sys.modules["tensorflow"])

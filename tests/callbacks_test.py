@@ -229,6 +229,41 @@ class GradientTensorBoardTest(testing.TestCase):
 
 
 class GradientNormHistoryTest(testing.TestCase):
+    def test_skipped_step_keeps_steps_unique(self):
+        """A step skip_nonfinite skips has the update count of the update
+        after it: that update's row replaces its, steps stay unique, and the
+        skipped step's own grad_norm_step (NaN) reached the batch logs."""
+
+        class BatchLogs(keras.callbacks.Callback):
+            def __init__(self):
+                super().__init__()
+                self.logs = []
+
+            def on_train_batch_end(self, batch, logs=None):
+                self.logs.append(dict(logs))
+
+        history = callbacks.GradientNormHistory()
+        seen = BatchLogs()
+        model = testing.mlp(Net, skip_nonfinite=True)
+        model.compile(optimizer="sgd", loss=testing.sparse_crossentropy())
+        x, y = testing.classification_data(samples=64)
+        x[20, 0] = np.nan  # the second batch of 16
+        model.fit(
+            x,
+            y,
+            batch_size=16,
+            shuffle=False,
+            verbose=0,
+            callbacks=[history, seen],
+        )
+        self.assertEqual(history.steps, [1, 2, 3])
+        self.assertTrue(np.isfinite(history.norms["hidden"]).all())
+        step_norms = [logs["grad_norm_step"] for logs in seen.logs]
+        self.assertEqual(
+            [bool(np.isfinite(n)) for n in step_norms],
+            [True, False, True, True],
+        )
+
     def test_png_and_csv(self):
         """The PNG is a valid image; the CSV parses to the recorded norms."""
         history = callbacks.GradientNormHistory(every_n_batches=1)

@@ -212,6 +212,37 @@ class DocsPagesTest(testing.TestCase):
         for name in os.listdir(os.path.join(DOCS, "guides")):
             self.assertIn(f"guides/{name}", config)
 
+    def test_tables_are_whole(self):
+        """Every row of every Markdown table has its header's cells: a row
+        that runs into the next one hides it on a rendered page."""
+        for path in pages():
+            with open(path, encoding="utf-8") as handle:
+                lines = handle.read().splitlines()
+            in_fence = False
+            width = None
+            for number, line in enumerate(lines, 1):
+                if line.startswith("```"):
+                    in_fence = not in_fence
+                if in_fence or not line.startswith("|"):
+                    width = None
+                    continue
+                cells = (
+                    len(re.findall(r"(?<!\\)\|", line.replace("``", ""))) - 1
+                )
+                if width is None:
+                    width = cells
+                self.assertEqual(cells, width, f"{path}:{number}: {line}")
+
+    def test_readme_links_land(self):
+        """Every relative link of the README names a file of the
+        repository (the guides, the changelog)."""
+        with open(README, encoding="utf-8") as handle:
+            text = handle.read()
+        for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", text):
+            if "://" in target:
+                continue
+            self.assertTrue(os.path.exists(os.path.join(_ROOT, target)), target)
+
     def test_parser_honours_the_skip_marker(self):
         text = (
             "# Title\n\n```python\nprint(1)\n```\n\n"

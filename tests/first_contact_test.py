@@ -353,3 +353,130 @@ class SeveralNetworksTest(testing.TestCase):
             self.skipTest("Keras builds it on TensorFlow: nothing to refuse")
         with self.assertRaisesRegex(ValueError, r"unbuilt layers \['dense"):
             model.fit(np.ones((4, 3), "float32"), verbose=0)
+
+
+class NewcomerTrialTest(testing.TestCase):
+    """What a newcomer's trial of the documented API found (issue 23)."""
+
+    def test_report_under_a_mixin_log_name_is_refused(self):
+        """report_metric under a name a mixin logs (grad_norm, a per-layer
+        grad_norm/<layer>) is refused instead of averaged with it."""
+
+        class Reporting(custom_fit.GradientInspectionMixin, keras.Model):
+            def compute_loss(self, *args, **kwargs):
+                self.report_metric(self.name_to_report, -1.0)
+                return super().compute_loss(*args, **kwargs)
+
+        for name in ("grad_norm", "grad_norm/hidden"):
+            model = testing.mlp(Reporting)
+            model.name_to_report = name
+            model.compile(optimizer="sgd", loss=testing.sparse_crossentropy())
+            x, y = testing.classification_data(samples=8)
+            with self.assertRaisesRegex(
+                ValueError, rf"log {name!r} themselves.*Received: name="
+            ):
+                model.fit(x, y, verbose=0)
+
+    def test_option_hiding_another_mixins_option_is_refused(self):
+        """A user's option named as another mixin's would hide it (the
+        model would report the value and not clip): refused."""
+
+        class Mine(custom_fit.TrainStepMixin):
+            clipnorm = custom_fit.options.Option(None)
+
+        with self.assertRaisesRegex(
+            TypeError,
+            r"Mine declares the option `clipnorm`, which "
+            r"custom_fit.GradientClippingMixin declares already",
+        ):
+            type(
+                "Both",
+                (Mine, custom_fit.GradientClippingMixin, keras.Model),
+                {},
+            )
+
+    def test_declarations_are_checked(self):
+        """A default its own validator refuses, and requires naming no
+        option, are refused when the class is made."""
+        with self.assertRaisesRegex(TypeError, r"default of the option `a`"):
+            type(
+                "BadDefault",
+                (custom_fit.TrainStepMixin,),
+                {
+                    "a": custom_fit.options.Option(
+                        -1.0, custom_fit.options.positive_float
+                    )
+                },
+            )
+        typo = type(
+            "Typo",
+            (custom_fit.TrainStepMixin,),
+            {"b": custom_fit.options.Option(None, requires=("no_such_zz",))},
+        )
+        with self.assertRaisesRegex(TypeError, r"no class declares"):
+            type("TypoModel", (typo, keras.Model), {})
+
+    def test_schedule_for_a_fixed_option_and_unknown_in_step_name(self):
+        """A schedule for an option that takes none, and option_in_step of
+        a name that is no option, name the fix."""
+        schedule = keras.optimizers.schedules.ExponentialDecay(1.0, 10, 0.5)
+        with self.assertRaisesRegex(
+            ValueError, r"`clip_layers` takes a fixed value, not a schedule"
+        ):
+            testing.mlp(Net, global_clipnorm=1.0, clip_layers=schedule)
+        model = testing.mlp(Net)
+        with self.assertRaisesRegex(ValueError, r"name='nope'.*clipnorm"):
+            model.option_in_step("nope")
+
+
+class PrivacyBudgetRunTest(testing.TestCase):
+    def setUp(self):
+        super().setUp()
+        pytest.importorskip("dp_accounting")
+
+    def model(self, **options):
+        model = testing.mlp(
+            Private, l2_norm_clip=1.0, noise_multiplier=1.0, **options
+        )
+        model.compile(optimizer="sgd", loss=testing.sparse_crossentropy())
+        return model
+
+    def test_budget_below_one_call_stops_before_any_step(self):
+        """A budget that one step would pass stops fit before its first
+        step: nothing is spent."""
+        x, y = testing.classification_data(samples=64)
+        one_step = custom_fit.privacy.epsilon(
+            steps=1,
+            batch_size=16,
+            num_examples=64,
+            noise_multiplier=1.0,
+            delta=1e-3,
+            sampling="shuffle",
+        )
+        budget = custom_fit.callbacks.PrivacyBudget(
+            num_examples=64, batch_size=16, delta=1e-3, max_epsilon=one_step / 2
+        )
+        model = self.model()
+        weights = model.get_weights()
+        with self.assertRaisesRegex(RuntimeError, "first call"):
+            model.fit(x, y, batch_size=16, callbacks=[budget], verbose=0)
+        self.assertEqual(model.private_steps, 0)
+        self.assertAllClose(model.get_weights(), weights)
+
+    @parameterized.named_parameters(
+        ("num_examples", dict(num_examples=640), "num_examples=64"),
+        ("batch_size", dict(batch_size=8), "batch_size=16"),
+    )
+    def test_budget_told_another_run_is_refused(self, told, trained):
+        """PrivacyBudget told another data set size or batch size than fit
+        trains with would report too low an epsilon: refused."""
+        x, y = testing.classification_data(samples=64)
+        settings = dict(num_examples=64, batch_size=16, delta=1e-4)
+        settings.update(told)
+        budget = custom_fit.callbacks.PrivacyBudget(**settings)
+        with self.assertRaisesRegex(ValueError, rf"Pass {trained} to"):
+            self.model().fit(x, y, batch_size=16, callbacks=[budget], verbose=0)
+
+
+class Private(custom_fit.DifferentialPrivacyMixin, keras.Model):
+    pass

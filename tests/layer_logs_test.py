@@ -489,6 +489,14 @@ class ProgressBarLogsTest(testing.TestCase):
         self.assertEqual(self.columns(line), shown)
         self.assertLen(history, 5)
 
+    def test_selection_matching_no_log_warns(self):
+        """A name of the selection that matches no log is named, with the
+        closest log."""
+        with self.assertWarnsRegex(
+            UserWarning, r"'los', which matches no log.*Did you mean 'loss'"
+        ):
+            self.bar(progress_bar_logs=["los", "grad_norm"])
+
     def test_bad_selection_is_refused(self):
         with self.assertRaisesRegex(
             ValueError, r"Received: progress_bar_logs='loss'"

@@ -93,6 +93,14 @@ class Adapter(Protocol):
 
     # Numbers.
 
+    def squared_sums(self, gradients: Sequence[Any]) -> Any:
+        """Returns a float32 vector: each gradient's sum of squares.
+
+        One entry per gradient (none is `None`; a sparse one has no
+        duplicate index), in one fused primitive where the backend has one.
+        """
+        ...
+
     def normal(self, shape: Sequence[int], dtype: str, seeds: Any) -> Any:
         """Returns standard normal draws, advancing the `SeedGenerator`."""
         ...

@@ -14,6 +14,16 @@ from typing import Any
 import keras
 from keras import ops
 
+# Numbers.
+
+
+def squared_sums(gradients: Sequence[Any]) -> Any:
+    """Returns each gradient's float32 sum of squares, as one vector."""
+    return ops.stack(
+        [ops.sum(ops.square(ops.cast(g, "float32"))) for g in gradients]
+    )
+
+
 # Replicas: one, whose gradients are the global batch's already.
 
 

@@ -500,6 +500,26 @@ def deduplicate(gradient: Any) -> Any:
     return tf.IndexedSlices(values, unique_indices, gradient.dense_shape)
 
 
+def squared_sums(gradients: Sequence[Any]) -> Any:
+    """Returns each gradient's float32 sum of squares, as one vector.
+
+    A `tf.IndexedSlices` (deduplicated by the caller) counts its values.
+    """
+    return tf.stack(
+        [
+            tf.reduce_sum(tf.square(tf.cast(_values(g), tf.float32)))
+            for g in gradients
+        ]
+    )
+
+
+def _values(gradient: Any) -> Any:
+    """The tensor that holds the numbers of a gradient."""
+    return (
+        gradient.values if isinstance(gradient, tf.IndexedSlices) else gradient
+    )
+
+
 def dense_size(gradient: Any) -> Any:
     """Returns the number of entries of the dense equivalent, as float32."""
     return tf.cast(tf.reduce_prod(gradient.dense_shape), tf.float32)

@@ -116,6 +116,20 @@ def values_and_grads(
     return values, aux, gradients
 
 
+def squared_sums(gradients: Sequence[Any]) -> Any:
+    """Returns each gradient's float32 sum of squares, as one vector.
+
+    `torch._foreach_norm` takes the norms of the whole list in one fused
+    call (as `torch.nn.utils.clip_grad_norm_` does); an eager step would
+    otherwise dispatch two ops per gradient.
+    """
+    tensors = [
+        g if g.dtype == torch.float32 else g.to(torch.float32)
+        for g in gradients
+    ]
+    return torch.stack(torch._foreach_norm(tensors, 2)).square()
+
+
 def normal(shape: Sequence[int], dtype: str, seeds: Any) -> Any:
     """Returns standard normal draws of `shape`, seeded from `seeds`.
 

@@ -1,0 +1,213 @@
+"""The gradient figures of one update, computed once and shared.
+
+An update needs the norms of its gradients several times over: the guard
+asks whether they are finite and (with the spike options) their global
+norm, global clipping divides by that norm, inspection reports it per
+layer and after clipping. Each would be a full pass over every gradient.
+Here the per-variable sums of squares of a list of gradients are computed
+once (`Figures.squares`, one fused primitive of the backend adapter) and
+every consumer reads them:
+
+- the global norm is the square root of their sum, a layer's norm that of
+  its members' sum;
+- the gradients are finite exactly when that sum is: a NaN or an infinite
+  entry makes its square, hence the sum, non-finite. The converse fails
+  only when finite entries overflow when squared (above about 1.8e19 in
+  float32); then, and only then, the entries are checked one by one;
+- a transform that knows its output's figures says so (`register`): global
+  clipping multiplies every gradient by one factor, so the clipped
+  gradients' squares are the input's times the factor squared, and their
+  finiteness that of the input and the factor. Only a transform that does
+  not (a user's) makes the consumers after it take a second pass.
+
+Figures are found by the identity of the gradient tensors (a traced step
+passes the same tensor objects from hook to hook), in pages kept per
+model and per thread (MirroredStrategy traces each replica in a thread of
+its own) for the duration of one update (`open_book`).
+"""
+
+import contextlib
+from collections.abc import Hashable
+from collections.abc import Iterator
+from collections.abc import Sequence
+from typing import Any
+
+from keras import ops
+
+from custom_fit import _gradient_ops
+from custom_fit import _model_state
+from custom_fit import backend
+from custom_fit._types import Gradient
+from custom_fit._types import Tensor
+
+
+class Figures:
+    """The sums of squares of one list of gradients, made when first read.
+
+    Args:
+        gradients: List of tensors, sparse gradients or `None`.
+        squares: Optional float32 vector of the sums of squares of the
+            non-`None` gradients, in order, when already known.
+        finite: Optional boolean scalar tensor: whether they are finite,
+            when already known.
+    """
+
+    def __init__(
+        self,
+        gradients: Sequence[Gradient],
+        squares: Tensor | None = None,
+        finite: Tensor | None = None,
+    ) -> None:
+        self.gradients = list(gradients)
+        self._squares = squares
+        self._finite = finite
+
+    @property
+    def present(self) -> list[Any]:
+        """The non-`None` gradients, in order."""
+        return [g for g in self.gradients if g is not None]
+
+    @property
+    def squares(self) -> Tensor:
+        """Float32 vector: the sum of squares of each non-`None` gradient."""
+        if self._squares is None:
+            present = [_gradient_ops.deduplicate(g) for g in self.present]
+            if not present:
+                self._squares = ops.zeros((0,), "float32")
+            else:
+                self._squares = backend.current().squared_sums(present)
+        return self._squares
+
+    @property
+    def total(self) -> Tensor:
+        """Float32 scalar: the sum of squares of every entry."""
+        return ops.sum(self.squares)
+
+    @property
+    def norm(self) -> Tensor:
+        """Float32 scalar: the global L2 norm."""
+        return ops.sqrt(self.total)
+
+    @property
+    def finite(self) -> Tensor:
+        """Boolean scalar: whether every entry is finite (exactly)."""
+        if self._finite is None:
+            present = self.present
+            if not present:
+                self._finite = ops.convert_to_tensor(True)
+            else:
+                self._finite = ops.logical_or(
+                    ops.isfinite(self.total), _entries_finite(present)
+                )
+        return self._finite
+
+    def group_squares(
+        self, groups: Sequence[Hashable], order: Sequence[Hashable]
+    ) -> Tensor:
+        """Returns the sum of squares of each group, in `order`.
+
+        Args:
+            groups: List aligned with the gradients (`None` included): the
+                group of each gradient.
+            order: The groups to report.
+
+        Returns:
+            A float32 vector of `len(order)` sums (0 for an empty group).
+        """
+        positions: dict[Hashable, list[int]] = {key: [] for key in order}
+        index = 0
+        for gradient, key in zip(self.gradients, groups):
+            if gradient is None:
+                continue
+            if key in positions:
+                positions[key].append(index)
+            index += 1
+        squares = self.squares
+        sums = []
+        for members in positions.values():
+            if not members:
+                sums.append(ops.zeros((), "float32"))
+            elif len(members) == 1:
+                sums.append(squares[members[0]])
+            else:
+                sums.append(ops.sum(ops.take(squares, members)))
+        return ops.stack(sums)
+
+    def scaled(
+        self, gradients: Sequence[Gradient], factor: Tensor
+    ) -> "Figures":
+        """Returns the figures of `gradients`, this list times `factor`.
+
+        Args:
+            gradients: The scaled list (`None` where this one has `None`).
+            factor: Float32 scalar tensor, the common factor.
+
+        Returns:
+            `Figures` whose squares are these times `factor ** 2` and which
+            are finite when these and the factor are.
+        """
+        factor = ops.cast(factor, "float32")
+        return Figures(
+            gradients,
+            squares=self.squares * ops.square(factor),
+            finite=ops.logical_and(self.finite, ops.isfinite(factor)),
+        )
+
+
+def _entries_finite(gradients: Sequence[Any]) -> Tensor:
+    """Returns whether every entry of the (non-`None`) gradients is finite."""
+    flags = [_gradient_ops.is_finite(g) for g in gradients]
+    return flags[0] if len(flags) == 1 else ops.all(ops.stack(flags))
+
+
+def _key(gradients: Sequence[Gradient]) -> tuple[int, ...]:
+    """The identity of a list of gradients: its tensors, `None`s included."""
+    return tuple(0 if g is None else id(g) for g in gradients)
+
+
+def _pages(model: Any) -> dict[tuple[int, ...], Figures] | None:
+    """The figures of the running update of `model` in this thread."""
+    return getattr(_model_state.state_of(model).local, "figures", None)
+
+
+@contextlib.contextmanager
+def open_book(model: Any) -> Iterator[None]:
+    """Keeps the figures computed inside the block for one update of `model`.
+
+    Outside such a block `of` still works, without sharing.
+    """
+    local = _model_state.state_of(model).local
+    outer = getattr(local, "figures", None)
+    local.figures = {}
+    try:
+        yield
+    finally:
+        local.figures = outer
+
+
+def of(model: Any, gradients: Sequence[Gradient]) -> Figures:
+    """Returns the figures of `gradients`, shared within the update.
+
+    Args:
+        model: The model whose update runs.
+        gradients: A list of gradients.
+
+    Returns:
+        The `Figures` registered for these tensors in this update, or new
+        ones (registered for the rest of the update).
+    """
+    pages = _pages(model)
+    key = _key(gradients)
+    if pages is None:
+        return Figures(gradients)
+    found = pages.get(key)
+    if found is None:
+        found = pages[key] = Figures(gradients)
+    return found
+
+
+def register(model: Any, figures: Figures) -> None:
+    """Registers figures that a transform knows for its output."""
+    pages = _pages(model)
+    if pages is not None:
+        pages[_key(figures.gradients)] = figures

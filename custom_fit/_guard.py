@@ -4,8 +4,9 @@
 update and returns a `Verdict`; the step applies the update only when the
 verdict says so, and `Guard.record` counts the skip:
 `logs["skipped_steps"]` and the consecutive-skip counter that
-`max_consecutive_skipped_steps` limits, checked on the host between calls
-of the train function (`check_limit`).
+`max_consecutive_skipped_steps` limits, checked on the host after the
+next call of the train function (`snapshot`, then `check_limit`: the host
+never waits for the step it just started) and when `fit` ends.
 
 An update is skipped when its gradients (true or transformed) are not
 finite and, with the spike options, when its true global gradient norm is
@@ -177,6 +178,22 @@ class Guard:
         """Whether `skip_nonfinite` is on."""
         return bool(self._model.skip_nonfinite)
 
+    def past_limit(self) -> Tensor | None:
+        """Returns whether the streak already passed the skip limit.
+
+        The host reads the counter one call of the train function late
+        (`snapshot`, `check_limit`); until it stops training, a step past
+        the limit changes nothing, so that it stops where it would have
+        stopped at once.
+
+        Returns:
+            A boolean scalar tensor, or `None` without a limit.
+        """
+        limit = self._model.max_consecutive_skipped_steps
+        if self.counter is None or limit is None:
+            return None
+        return backend.current().read(self.counter) > limit
+
     def batch_is_finite(self, gradients: Gradients) -> Tensor | None:
         """Returns whether a batch's own true gradients are finite.
 
@@ -226,6 +243,9 @@ class Guard:
             explained = ops.greater(
                 ops.cast(pipeline.loss_scale(optimizer), "float32"), 1.0
             )
+        frozen = self.past_limit()
+        if frozen is not None:
+            finite = ops.logical_and(finite, ops.logical_not(frozen))
         if not self._watches_spikes():
             return Verdict(finite, explained)
         norm = figures.norm
@@ -332,18 +352,38 @@ class Guard:
         if self.counter is not None:
             self.counter.assign(ops.zeros((), "int32"))
 
-    def check_limit(self, fitted: Any, nested: bool) -> None:
+    def snapshot(self, fitted: Any) -> Any:
+        """Returns the streak counter's latest value, not yet read.
+
+        The train function's caller checks it one call later
+        (`check_limit`), so the host never waits for the step it just
+        started (JAX dispatches steps asynchronously).
+
+        Args:
+            fitted: The model whose `fit` runs (it holds the latest state
+                on JAX).
+
+        Returns:
+            The backend's handle of the value, or `None` without a limit.
+        """
+        limit = self._model.max_consecutive_skipped_steps
+        if self.counter is None or limit is None:
+            return None
+        return backend.current().snapshot(fitted, self.counter)
+
+    def check_limit(self, fitted: Any, nested: bool, value: Any) -> None:
         """Raises `RuntimeError` when the consecutive-skip limit is passed.
 
         Args:
             fitted: The model whose `fit` runs (it holds the latest state
                 on JAX).
             nested: Bool. The guarded model is a network inside `fitted`.
+            value: A value of `snapshot`, or `None`.
         """
         limit = self._model.max_consecutive_skipped_steps
-        if self.counter is None or limit is None:
+        if value is None or limit is None:
             return
-        count = int(backend.current().host_value(fitted, self.counter))
+        count = int(backend.current().fetch(value))
         if count <= limit:
             return
         # Training stops here: on JAX the variables get the latest state.

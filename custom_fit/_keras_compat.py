@@ -20,7 +20,6 @@ from keras import ops
 
 from custom_fit import _model_state
 from custom_fit import backend
-from custom_fit import pipeline
 
 # Keras' helpers of `keras.models.clone_model` (keras/src/models/cloning.py).
 _CLONE_FUNCTIONAL = "_clone_functional_model"
@@ -92,7 +91,7 @@ def track_loss(model: keras.Model, loss: Any, x: Any) -> None:
         x: The inputs of the batch, for its size.
     """
     weight = batch_size(x, loss.dtype)
-    replicas = pipeline.replica_count()
+    replicas = backend.current().replica_count()
     if replicas > 1:  # as Keras' unscale_loss_for_distribution: no op on one
         loss = loss * ops.cast(replicas, loss.dtype)
     model._loss_tracker.update_state(loss, sample_weight=weight)

@@ -217,6 +217,7 @@ class KerasModel(_ModelBase):
         self._configure_if_needed()
         for model in _model_state.models_in(self):
             _model_state.state_of(model).guard.restart()
+        _step_functions.forget_last_call(self)
         arguments = dict(KERAS_FIT.bind(self, *args, **kwargs).arguments)
         del arguments["self"]
         callbacks = arguments.get("callbacks")
@@ -224,7 +225,10 @@ class KerasModel(_ModelBase):
             arguments["callbacks"] = self._fit_callbacks(
                 list(callbacks or []), arguments.get("verbose", "auto")
             )
-        return super().fit(**arguments)
+        history = super().fit(**arguments)
+        # The streak of skipped steps of the last call, read one call late.
+        _step_functions.check_last_call(self)
+        return history
 
     def _fit_callbacks(
         self, callbacks: list[Any], verbose: Any

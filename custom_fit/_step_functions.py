@@ -35,10 +35,44 @@ def make(
     Returns:
         The function Keras' loop calls.
     """
-    function = backend.current().make_step_function(model, kind, keras_function)
+    function = backend.current().make_step_function(
+        model, kind, keras_function, _OwnState(model)
+    )
     if kind == "train":
         function = _with_skipped_step_limit(model, function)
-    return _driven(model, function, kind)
+    driven = _driven(model, function, kind)
+    for name in ("check_pending", "forget_pending"):
+        if hasattr(function, name):
+            setattr(driven, name, getattr(function, name))
+    return driven
+
+
+class _OwnState:
+    """custom_fit's state variables of a model and its networks.
+
+    Called at every call of a pure step's function: the holders are found
+    once (at the first call, when the model is built), and their list made
+    again only when one changed.
+    """
+
+    def __init__(self, model: Any) -> None:
+        self._model = model
+        self._holders: list[Any] | None = None
+        self._listed: tuple[tuple[int, ...], list[Any]] | None = None
+
+    def __call__(self) -> list[Any]:
+        if self._holders is None:
+            self._holders = [
+                _model_state.state_of(each).holder
+                for each in _model_state.models_in(self._model)
+            ]
+        versions = tuple(holder.version for holder in self._holders)
+        if self._listed is None or self._listed[0] != versions:
+            self._listed = (
+                versions,
+                [v for holder in self._holders for v in holder.variables],
+            )
+        return self._listed[1]
 
 
 def _driven(model: Any, function: StepFunction, kind: str) -> StepFunction:
@@ -63,7 +97,13 @@ def _driven(model: Any, function: StepFunction, kind: str) -> StepFunction:
 def _with_skipped_step_limit(
     model: Any, function: StepFunction
 ) -> StepFunction:
-    """Wraps a train function to raise once too many steps were skipped."""
+    """Wraps a train function to raise once too many steps were skipped.
+
+    The streak counters a call leaves are read after the next call (the
+    host does not wait for the call it just started) and when `fit` ends
+    (`check_last_call`): training stops with the limit's error one call of
+    the train function later at most.
+    """
     guarded = [
         each
         for each in _model_state.models_in(model)
@@ -71,12 +111,50 @@ def _with_skipped_step_limit(
     ]
     if not guarded:
         return function
+    pending: list[tuple[Any, Any]] = []
+
+    def check(snapshots: list[tuple[Any, Any]]) -> None:
+        for each, value in snapshots:
+            guard = _model_state.state_of(each).guard
+            guard.check_limit(model, nested=each is not model, value=value)
 
     def checked_train_function(*args: Any) -> Any:
         logs = function(*args)
-        for each in guarded:
-            guard = _model_state.state_of(each).guard
-            guard.check_limit(model, nested=each is not model)
+        earlier = list(pending)
+        pending[:] = [
+            (each, _model_state.state_of(each).guard.snapshot(model))
+            for each in guarded
+        ]
+        check(earlier)
         return logs
 
+    def check_pending() -> None:
+        snapshots = list(pending)
+        pending.clear()
+        check(snapshots)
+
+    checked_train_function.check_pending = check_pending  # type: ignore[attr-defined]
+    checked_train_function.forget_pending = pending.clear  # type: ignore[attr-defined]
     return checked_train_function
+
+
+def check_last_call(model: Any) -> None:
+    """Checks the streak counters the last call of `fit` left.
+
+    Raises:
+        RuntimeError: When the consecutive-skip limit was passed.
+    """
+    check_pending = getattr(
+        getattr(model, "train_function", None), "check_pending", None
+    )
+    if check_pending is not None:
+        check_pending()
+
+
+def forget_last_call(model: Any) -> None:
+    """Forgets what an earlier `fit` left unchecked (it stopped early)."""
+    forget = getattr(
+        getattr(model, "train_function", None), "forget_pending", None
+    )
+    if forget is not None:
+        forget()

@@ -69,13 +69,16 @@ class GradientAccumulator:
                 track(made)
 
     def accumulate(
-        self, gradients: Sequence[Gradient]
+        self, gradients: Sequence[Gradient], frozen: Tensor | None = None
     ) -> tuple[Gradients, Tensor]:
         """Adds `gradients` to the sums; returns their mean and the flag.
 
         Args:
             gradients: List aligned with the variables: tensors,
                 `tf.IndexedSlices` or `None`.
+            frozen: Optional boolean scalar tensor: when true, this call
+                changes nothing (the sums and the count are kept) and is no
+                update.
 
         Returns:
             A tuple `(mean_gradients, is_update)`. `is_update` is a boolean
@@ -86,6 +89,8 @@ class GradientAccumulator:
         """
         count = ops.convert_to_tensor(self.count)
         is_update = ops.equal((count + 1) % self.steps, 0)
+        if frozen is not None:
+            is_update = ops.logical_and(is_update, ops.logical_not(frozen))
         means: Gradients = []
         for gradient, running_sum in zip(gradients, self.sums):
             if gradient is None:
@@ -95,10 +100,14 @@ class GradientAccumulator:
             total = current + ops.cast(
                 _gradient_ops.dense(gradient), current.dtype
             )
-            running_sum.assign(
-                ops.where(is_update, ops.zeros_like(total), total)
-            )
+            kept = ops.where(is_update, ops.zeros_like(total), total)
+            if frozen is not None:
+                kept = ops.where(frozen, current, kept)
+            running_sum.assign(kept)
             mean = total / ops.cast(self.steps, total.dtype)
             means.append(ops.cast(mean, gradient.dtype))
-        self.count.assign((count + 1) % self.steps)
+        new_count = (count + 1) % self.steps
+        if frozen is not None:
+            new_count = ops.where(frozen, count, new_count)
+        self.count.assign(new_count)
         return means, is_update

@@ -35,6 +35,7 @@ import keras
 from keras import ops
 
 from custom_fit import _gradient_ops
+from custom_fit import _keras_compat
 from custom_fit import backend
 from custom_fit._types import Gradient
 from custom_fit._types import Gradients
@@ -250,16 +251,19 @@ def apply_true_gradients(
     if not isinstance(factor, float) or factor != 1.0:
         gradients = _multiply(gradients, variables, factor)
 
-    apply = backend.current().apply_gradients
-    if finite is None or is_loss_scale_optimizer:
-        apply(optimizer, gradients, variables)
-    else:
-        run_if(
-            finite,
-            lambda gradients: apply(optimizer, gradients, variables),
-            args=(gradients,),
-            synchronized=True,
+    if not optimizer.built:
+        optimizer.build(variables)
+    tracked = _keras_compat.optimizer_trainable_variables(optimizer)
+
+    def apply(gradients: Sequence[Any]) -> None:
+        backend.current().apply_gradients(
+            optimizer, gradients, variables, tracked
         )
+
+    if finite is None or is_loss_scale_optimizer:
+        apply(gradients)
+    else:
+        run_if(finite, apply, args=(gradients,), synchronized=True)
 
 
 def optimizer_clipping(

@@ -736,10 +736,17 @@ class TrainStepMixin(
         # Whether the batch counts in the epoch's figures: its own
         # gradients are finite (with accumulation), or the update is applied.
         counted = guard.batch_is_finite(gradients)
+        # Past the consecutive-skip limit (read by the host one call late)
+        # a step changes nothing at all, accumulation included.
+        frozen = guard.past_limit()
+        if frozen is not None and counted is not None:
+            counted = ops.logical_and(counted, ops.logical_not(frozen))
         is_update = None
         if self.gradient_accumulation_steps not in (None, 1):
             accumulator = self._accumulator(variables)
-            gradients, is_update = accumulator.accumulate(gradients)
+            gradients, is_update = accumulator.accumulate(
+                gradients, frozen=frozen
+            )
         gradients = self.finalize_gradients(gradients, variables, is_update)
         transformed = self._transformed(gradients, variables)
         verdict = guard.decide(gradients, transformed, optimizer)

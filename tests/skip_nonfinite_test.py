@@ -160,6 +160,42 @@ class SkipNonfiniteTest(testing.TestCase):
         ):
             model.fit(x, y, batch_size=8, verbose=0, shuffle=False)
 
+    @parameterized.named_parameters(*testing.EXECUTION_MODES)
+    def test_limit_read_one_call_late_changes_nothing_more(self, mode):
+        """The host reads the streak one call late, so the error comes one
+        call of the train function later at most; the steps after the
+        limit change nothing: the weights are those of the good batches
+        before the streak, as a fit of those batches alone leaves them."""
+        x, y = testing.classification_data(samples=96)
+        x[32:] = np.nan  # four good batches of 8, then NaN only
+        calls = []
+        counting = keras.callbacks.LambdaCallback(
+            on_train_batch_end=lambda batch, logs: calls.append(batch)
+        )
+        model = compiled(
+            testing.mlp(
+                Net, skip_nonfinite=True, max_consecutive_skipped_steps=2
+            ),
+            **mode,
+        )
+        with self.assertRaisesRegex(RuntimeError, "3 consecutive training"):
+            model.fit(
+                x,
+                y,
+                batch_size=8,
+                verbose=0,
+                shuffle=False,
+                callbacks=[counting],
+            )
+        oracle = compiled(testing.mlp(keras.Model))
+        oracle.fit(x[:32], y[:32], batch_size=8, verbose=0, shuffle=False)
+        self.assertAllClose(model.get_weights(), oracle.get_weights())
+        self.assertEqual(int(testing.to_numpy(model.optimizer.iterations)), 4)
+        per_call = mode.get("steps_per_execution", 1)
+        # Four good steps, three skipped (the third passes the limit), and
+        # at most one call more before the host reads it.
+        self.assertLessEqual(len(calls) * per_call, 4 + 3 + per_call)
+
     def test_limit_not_reached_trains_on(self):
         """Skips below the limit do not stop training."""
         x, y = testing.classification_data(samples=80)

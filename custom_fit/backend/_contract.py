@@ -156,9 +156,17 @@ class Adapter(Protocol):
         ...
 
     def apply_gradients(
-        self, optimizer: Any, gradients: Sequence[Any], variables: Sequence[Any]
+        self,
+        optimizer: Any,
+        gradients: Sequence[Any],
+        variables: Sequence[Any],
+        tracked: Sequence[Any],
     ) -> None:
-        """Applies `gradients` to `variables` with the Keras optimizer."""
+        """Applies `gradients` to `variables` with the Keras optimizer.
+
+        `tracked` lists the variables the optimizer was built for, in its
+        order (what a stateless apply takes the values of).
+        """
         ...
 
     # custom_fit's own state.
@@ -192,6 +200,18 @@ class Adapter(Protocol):
 
     def host_value(self, model: Any, variable: Any) -> Any:
         """A variable's value on the host (a NumPy array), during `fit` too."""
+        ...
+
+    def snapshot(self, model: Any, variable: Any) -> Any:
+        """A variable's latest value, without waiting for the step making it.
+
+        For a check made one call of the train function later (`fetch`),
+        so that the host never waits for the step that just started.
+        """
+        ...
+
+    def fetch(self, value: Any) -> Any:
+        """A value of `snapshot` on the host (a NumPy array)."""
         ...
 
     def write_latest(self, model: Any) -> None:
@@ -243,8 +263,14 @@ class Adapter(Protocol):
         model: Any,
         kind: str,
         build_keras_function: Callable[[], Any],
+        own_state: Callable[[], list[Any]],
     ) -> Any:
-        """Returns the `"train"` or `"test"` function Keras' loop calls."""
+        """Returns the `"train"` or `"test"` function Keras' loop calls.
+
+        `own_state` returns custom_fit's own state variables of the model
+        and its networks (those of `custom_fit._state.StateHolder`), which
+        a pure step carries beside Keras' state.
+        """
         ...
 
     def build_batch(self, model: Any, iterator: Iterable[Any]) -> Any:

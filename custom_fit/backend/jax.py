@@ -32,6 +32,7 @@ for every variable it changed, the new or the old value.
 import contextlib
 import threading
 import warnings
+import weakref
 from collections.abc import Callable
 from collections.abc import Iterable
 from collections.abc import Iterator
@@ -350,7 +351,10 @@ def run_if(
 
 
 def apply_gradients(
-    optimizer: Any, gradients: Sequence[Any], variables: Sequence[Any]
+    optimizer: Any,
+    gradients: Sequence[Any],
+    variables: Sequence[Any],
+    tracked: Sequence[Any],
 ) -> None:
     """Applies `gradients` with `optimizer.stateless_apply`, as Keras does.
 
@@ -360,11 +364,6 @@ def apply_gradients(
     which a traced JAX step cannot carry out; the stateless form returns
     the new values instead.
     """
-    from custom_fit import _keras_compat
-
-    if not optimizer.built:
-        optimizer.build(variables)
-    tracked = _keras_compat.optimizer_trainable_variables(optimizer)
     known = {id(t) for t in tracked}
     unknown = [v.path for v in variables if id(v) not in known]
     if unknown:
@@ -465,6 +464,11 @@ def copy(value: Any) -> Any:
     return ops.convert_to_tensor(value)
 
 
+# The state of each model's latest call of a train or test function, while
+# `fit` runs (Keras writes it into the variables at the end of an epoch).
+_LATEST: "weakref.WeakKeyDictionary[Any, _Latest]" = weakref.WeakKeyDictionary()
+
+
 def host_value(model: Any, variable: Any) -> np.ndarray:
     """Returns a variable's value on the host, during `fit` too.
 
@@ -472,12 +476,26 @@ def host_value(model: Any, variable: Any) -> np.ndarray:
     function returned last (Keras writes them back into the variables only
     at the end of an epoch); they are read from there.
     """
-    latest = getattr(model, "_custom_fit_latest", None)
+    return fetch(_latest_value(model, variable))
+
+
+def snapshot(model: Any, variable: Any) -> Any:
+    """Returns a copy of the variable's latest array, computed or not yet.
+
+    A copy (queued, asynchronous): the next call donates the state's
+    buffers to the step.
+    """
+    return jax.numpy.copy(_latest_value(model, variable))
+
+
+def _latest_value(model: Any, variable: Any) -> Any:
+    """The variable's value in the model's latest state, else its own."""
+    latest = _LATEST.get(model)
     value = None if latest is None else latest.get(variable)
-    return _fetched(variable.value if value is None else value)
+    return variable.value if value is None else value
 
 
-def _fetched(value: Any) -> np.ndarray:
+def fetch(value: Any) -> np.ndarray:
     """Returns an array's value in this process, whole.
 
     With several processes, an array laid out over devices of other
@@ -501,7 +519,7 @@ def write_latest(model: Any) -> None:
     For when training stops with an exception inside an epoch, before
     Keras writes the state back.
     """
-    latest = getattr(model, "_custom_fit_latest", None)
+    latest = _LATEST.get(model)
     if latest is not None:
         latest.write()
 
@@ -514,7 +532,7 @@ def after_state_sync(model: Any) -> None:
     written last.
     """
     write_latest(model)
-    model.__dict__["_custom_fit_latest"] = None
+    _LATEST.pop(model, None)
 
 
 # Training functions.
@@ -524,6 +542,23 @@ def check_strategy() -> None:
     """Accepts every `keras.distribution` setting."""
 
 
+class _Layout:
+    """The variables of each group of a step's state, and where each is.
+
+    Made once per layout of the state (the groups' variables), not per
+    call.
+    """
+
+    def __init__(self, groups: list[list[Any]]) -> None:
+        self.groups = groups
+        self.sizes = [len(g) for g in groups]
+        self.index = {
+            id(variable): (g, i)
+            for g, variables in enumerate(groups)
+            for i, variable in enumerate(variables)
+        }
+
+
 class _Latest:
     """The state returned by the last call, readable per variable.
 
@@ -531,25 +566,18 @@ class _Latest:
     last group) of the model's latest call of a train or test function.
     """
 
-    def __init__(self, groups: list[list[Any]], state: tuple) -> None:
-        self.groups = groups
+    def __init__(self, layout: _Layout, state: tuple) -> None:
+        self.layout = layout
         self.state = state
-        self._index: dict[int, tuple[int, int]] | None = None
 
     def write(self) -> None:
         """Assigns every variable its value in the state."""
-        for variables, values in zip(self.groups, self.state):
+        for variables, values in zip(self.layout.groups, self.state):
             for variable, value in zip(variables, values):
                 variable.assign(value)
 
     def get(self, variable: Any) -> Any:
-        if self._index is None:  # built at the first read, not per step
-            self._index = {
-                id(variable): (g, i)
-                for g, variables in enumerate(self.groups)
-                for i, variable in enumerate(variables)
-            }
-        where = self._index.get(id(variable))
+        where = self.layout.index.get(id(variable))
         if where is None:
             return None
         return self.state[where[0]][where[1]]
@@ -566,14 +594,17 @@ class _StepFunction:
     keeps the new ones for the next call.
     """
 
-    def __init__(self, model: Any, kind: str) -> None:
+    def __init__(
+        self, model: Any, kind: str, own_state: Callable[[], list[Any]]
+    ) -> None:
         self.model = model
         self.kind = kind
+        self.own_state = own_state
         self.discovered = False
         self.step: Any = None  # compiled at the first call
         self.shardings: tuple[Any, Any] | None = None
-        self._groups: list[list[Any]] | None = None
-        self._own: tuple[tuple[int, ...], list[Any]] | None = None
+        self._layout: _Layout | None = None
+        self._own: tuple[int, list[Any]] | None = None
 
     def groups(self) -> list[list[Any]]:
         """The variables of each element of the state, as Keras orders them."""
@@ -594,23 +625,18 @@ class _StepFunction:
     def own_variables(self) -> list[Any]:
         """custom_fit's state variables of the model and its networks.
 
-        Listed again only when a holder changed, not at every call.
+        Those Keras' state does not hold already, each once; listed again
+        only when the list `own_state` returns changed length (state is
+        only ever added), not at every call.
         """
-        from custom_fit import _model_state
-
-        holders = [
-            _model_state.state_of(m).holder
-            for m in _model_state.models_in(self.model)
-        ]
-        versions = tuple(h.version for h in holders)
-        if self._own is None or self._own[0] != versions:
+        variables = self.own_state()
+        if self._own is None or self._own[0] != len(variables):
             in_keras_state = {id(v) for group in self.groups() for v in group}
             found: dict[int, Any] = {}
-            for holder in holders:
-                for variable in holder.variables:
-                    if id(variable) not in in_keras_state:
-                        found.setdefault(id(variable), variable)
-            self._own = (versions, list(found.values()))
+            for variable in variables:
+                if id(variable) not in in_keras_state:
+                    found.setdefault(id(variable), variable)
+            self._own = (len(variables), list(found.values()))
         return self._own[1]
 
     def _run(self, data: Any) -> Any:
@@ -708,11 +734,11 @@ class _StepFunction:
             out_shardings=(None, *self.shardings),
         )
 
-    def own_values(self) -> list[Any]:
+    def own_values(self, own_variables: list[Any]) -> list[Any]:
         """The current values of custom_fit's state, for the next call."""
-        latest = self.model.__dict__.get("_custom_fit_latest")
+        latest = _LATEST.get(self.model)
         values = []
-        for variable in self.own_variables():
+        for variable in own_variables:
             value = latest.get(variable) if latest is not None else None
             values.append(variable.value if value is None else value)
         return values
@@ -723,7 +749,8 @@ class _StepFunction:
         if not self.discovered:
             state = self.discover(state, data)
         extras = [variable.value for variable in self.extra_variables()]
-        own = self.own_values()
+        own_variables = self.own_variables()
+        own = self.own_values(own_variables)
         if self.step is None:
             self.step = self._compiled(state, own)
             if self.shardings is not None:
@@ -736,14 +763,11 @@ class _StepFunction:
             except StopIteration:
                 break
             logs, state, own = self.step(state, own, data, extras)
-        groups = self._groups
-        if groups is None or [len(g) for g in groups] != [
-            len(g) for g in state
-        ]:
-            groups = self._groups = self.groups()
-        self.model.__dict__["_custom_fit_latest"] = _Latest(
-            [*groups, self.own_variables()], (*state, own)
-        )
+        layout = self._layout
+        sizes = [*(len(g) for g in state), len(own)]
+        if layout is None or layout.sizes != sizes:
+            layout = self._layout = _Layout([*self.groups(), own_variables])
+        _LATEST[self.model] = _Latest(layout, (*state, own))
         return logs, state
 
 
@@ -814,7 +838,10 @@ class TrainerHooks:
 
 
 def make_step_function(
-    model: Any, kind: str, build_keras_function: Callable[[], Any]
+    model: Any,
+    kind: str,
+    build_keras_function: Callable[[], Any],
+    own_state: Callable[[], list[Any]],
 ) -> Any:
     """Returns the train (`kind="train"`) or test function of `model`.
 
@@ -828,4 +855,4 @@ def make_step_function(
         A callable `(state, iterator) -> (logs, state)`.
     """
     del build_keras_function
-    return _StepFunction(model, kind)
+    return _StepFunction(model, kind, own_state)

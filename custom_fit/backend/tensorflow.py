@@ -335,9 +335,13 @@ def run_if(
 
 
 def apply_gradients(
-    optimizer: Any, gradients: Sequence[Any], variables: Sequence[Any]
+    optimizer: Any,
+    gradients: Sequence[Any],
+    variables: Sequence[Any],
+    tracked: Sequence[Any],
 ) -> None:
     """Applies `gradients` to `variables` with `optimizer.apply`."""
+    del tracked
     optimizer.apply(gradients, variables)
 
 
@@ -456,6 +460,16 @@ def host_value(model: Any, variable: Any) -> np.ndarray:
     return np.asarray(variable.numpy())
 
 
+def snapshot(model: Any, variable: Any) -> Any:
+    """Returns the variable's value (a step has run when its call returns)."""
+    return host_value(model, variable)
+
+
+def fetch(value: Any) -> np.ndarray:
+    """Returns the value of `snapshot` (already on the host)."""
+    return np.asarray(value)
+
+
 def write_latest(model: Any) -> None:
     """Does nothing: TensorFlow variables always hold the latest values."""
     del model
@@ -554,10 +568,13 @@ def check_compile(jit_compile: Any) -> None:
 
 
 def make_step_function(
-    model: Any, kind: str, build_keras_function: Callable[[], Any]
+    model: Any,
+    kind: str,
+    build_keras_function: Callable[[], Any],
+    own_state: Callable[[], list[Any]],
 ) -> Any:
     """Returns Keras' own train or test function: the step is stateful."""
-    del model, kind
+    del model, kind, own_state
     return build_keras_function()
 
 

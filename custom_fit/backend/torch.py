@@ -265,12 +265,16 @@ def run_if(
 
 
 def apply_gradients(
-    optimizer: Any, gradients: Sequence[Any], variables: Sequence[Any]
+    optimizer: Any,
+    gradients: Sequence[Any],
+    variables: Sequence[Any],
+    tracked: Sequence[Any],
 ) -> None:
     """Applies `gradients` with `optimizer.apply`, under `torch.no_grad()`.
 
     As Keras' PyTorch trainer applies them: the update is not recorded.
     """
+    del tracked
     with torch.no_grad():
         optimizer.apply(list(gradients), list(variables))
 
@@ -337,6 +341,17 @@ def host_value(model: Any, variable: Any) -> np.ndarray:
     return np.asarray(keras.ops.convert_to_numpy(_parameter(variable)))
 
 
+def snapshot(model: Any, variable: Any) -> Any:
+    """Returns a copy of the variable's tensor (queued on a GPU, not read)."""
+    del model
+    return _parameter(variable).detach().clone()
+
+
+def fetch(value: Any) -> np.ndarray:
+    """Returns the value of `snapshot` on the host."""
+    return np.asarray(keras.ops.convert_to_numpy(value))
+
+
 def write_latest(model: Any) -> None:
     """Does nothing: the variables always hold the latest values."""
     del model
@@ -372,10 +387,13 @@ def check_strategy() -> None:
 
 
 def make_step_function(
-    model: Any, kind: str, build_keras_function: Callable[[], Any]
+    model: Any,
+    kind: str,
+    build_keras_function: Callable[[], Any],
+    own_state: Callable[[], list[Any]],
 ) -> Any:
     """Returns Keras' own train or test function: the step is stateful."""
-    del model, kind
+    del model, kind, own_state
     return build_keras_function()
 
 

@@ -13,7 +13,11 @@ from custom_fit import backend
 from custom_fit.backend import _contract
 from tests import testing
 
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(backend.__file__)))
+# The directory that holds the package `custom_fit/` (the repository, or
+# site-packages for the installed wheel).
+_PACKAGE = os.path.dirname(
+    os.path.dirname(os.path.dirname(os.path.abspath(backend.__file__)))
+)
 _BACKEND_NAMES = ("tensorflow", "jax", "torch")
 # Where a backend library may be imported outside `custom_fit/backend/`:
 # a tool used as Keras uses it (tf.summary for TensorBoard files).
@@ -71,6 +75,7 @@ class BackendContractTest(testing.TestCase):
         library (but for tools such as tf.summary) or compares against a
         backend's name."""
         found = []
+        checked = []
         for directory, _, files in os.walk(
             os.path.join(_PACKAGE, "custom_fit")
         ):
@@ -81,7 +86,40 @@ class BackendContractTest(testing.TestCase):
                 if not file.endswith(".py"):
                     continue
                 path = os.path.join(relative, file)
+                checked.append(path)
                 found.extend(_backend_names(_PACKAGE, path))
+        self.assertNotEmpty(checked)
+        self.assertEqual(found, [])
+
+
+class BackendIndependenceTest(testing.TestCase):
+    def test_backend_imports_nothing_of_the_core(self):
+        """`custom_fit/backend/` imports nothing from the rest of the
+        package, at module level or inside a function: the core hands each
+        adapter what it needs."""
+        directory = os.path.join(_PACKAGE, "custom_fit", "backend")
+        found = []
+        for file in sorted(os.listdir(directory)):
+            if not file.endswith(".py"):
+                continue
+            with open(os.path.join(directory, file), encoding="utf-8") as f:
+                tree = ast.parse(f.read())
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Import):
+                    modules = [alias.name for alias in node.names]
+                elif isinstance(node, ast.ImportFrom):
+                    modules = [node.module or ""]
+                    if node.module == "custom_fit":
+                        modules = [
+                            f"custom_fit.{alias.name}" for alias in node.names
+                        ]
+                else:
+                    continue
+                for module in modules:
+                    if module.startswith(
+                        "custom_fit"
+                    ) and not module.startswith("custom_fit.backend"):
+                        found.append(f"{file}:{node.lineno} imports {module}")
         self.assertEqual(found, [])
 
 

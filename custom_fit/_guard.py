@@ -274,38 +274,36 @@ class Guard:
     def _read(variable: Any) -> Any:
         return None if variable is None else backend.current().read(variable)
 
-    def record(self, verdict: Verdict, is_update: Tensor | None) -> None:
-        """Counts a skipped update in `skipped_steps` and the streak counter.
+    def record(
+        self, verdict: Verdict, is_update: Tensor | None
+    ) -> dict[str, Tensor]:
+        """Counts a skipped update in the streak counter; returns the counts.
 
         Args:
             verdict: The verdict of `decide`.
             is_update: Boolean scalar tensor, true on the steps of gradient
                 accumulation that update; `None` without accumulation.
+
+        Returns:
+            The step's figures to log as sums over the epoch, by name:
+            `skipped_steps` and, with the spike options, `skipped_spikes`
+            (float32 scalars); empty with the guard off.
         """
         if not self.active:
-            return
+            return {}
         skipped = ops.logical_not(verdict.apply)
         if is_update is not None:
             skipped = ops.logical_and(is_update, skipped)
-        self._model._report(
-            "skipped_steps",
-            ops.cast(skipped, "float32"),
-            reduction="sum",
-            held=False,
-        )
+        counts = {"skipped_steps": ops.cast(skipped, "float32")}
         if verdict.spike is not None:
             spike = verdict.spike
             if is_update is not None:
                 spike = ops.logical_and(is_update, spike)
-            self._model._report(
-                "skipped_spikes",
-                ops.cast(spike, "float32"),
-                reduction="sum",
-                held=False,
-            )
+            counts["skipped_spikes"] = ops.cast(spike, "float32")
         self._count_consecutive(verdict, skipped, is_update)
         if self.norm_average is not None and verdict.norm is not None:
             self._average_applied(verdict, is_update)
+        return counts
 
     def _count_consecutive(
         self, verdict: Verdict, skipped: Tensor, is_update: Tensor | None

@@ -136,15 +136,10 @@ class PrivateOverrides(_ModelBase):
         every layer in it is, and otherwise is refused with the fix.
         """
         _build_container(self)
-        metrics = _model_state.state_of(self).metrics
-        muted = metrics.muted
-        metrics.muted = True
-        try:
+        with _model_state.state_of(self).metrics.muting():
             return super()._symbolic_build(  # type: ignore[misc]
                 iterator=iterator, data_batch=data_batch
             )
-        finally:
-            metrics.muted = muted
 
 
 def _build_container(model: Any) -> None:

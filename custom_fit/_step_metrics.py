@@ -19,7 +19,9 @@ created at the first report of a name, and knows:
   MirroredStrategy traces each replica in a thread of its own.
 """
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import keras
@@ -58,6 +60,20 @@ class StepMetrics:
         self.driver: tuple[Any, str] | None = None
         self.muted = False
         self._held = threading.local()
+
+    @contextlib.contextmanager
+    def muting(self) -> Iterator[None]:
+        """Drops the reports made inside the block.
+
+        For a pass that is no step: Keras' build before `fit`, SAM's
+        second pass.
+        """
+        muted = self.muted
+        self.muted = True
+        try:
+            yield
+        finally:
+            self.muted = muted
 
     def step(self) -> tuple[int, str | None]:
         """Returns `(id(driver), kind)` of the running step."""

@@ -33,15 +33,13 @@ def _check_inspected(callback: keras.callbacks.Callback, model: Any) -> None:
         )
 
 
-def _inspection_mark(model: Any) -> tuple[Any, int]:
+def _inspection_mark(model: Any) -> tuple[int, tuple[int, int]]:
     """Returns what tells the model's figures from those of another step.
 
-    The pair of the inspection state and its count of inspected steps. The
-    count alone is not enough: it starts from 0 on another model, and on
-    the same model once it trains another set of variables (a layer frozen
-    or unfrozen), which has a state of its own.
+    The model and its `inspection_mark` (the count of inspected steps alone
+    starts from 0 on another model too).
     """
-    return model._current_inspection_state(), model._inspection_count()
+    return id(model), model.inspection_mark
 
 
 def _new_figures(callback: Any) -> bool:
@@ -57,7 +55,7 @@ def _new_figures(callback: Any) -> bool:
     if mark == callback._last_mark:
         return False
     callback._last_mark = mark
-    return mark[1] > 0
+    return mark[1][1] > 0
 
 
 def _update_freq(value: Any) -> int | str:
@@ -115,7 +113,7 @@ class GradientNormHistory(keras.callbacks.Callback):
         self._recorded: weakref.ref[Any] | None = None
         # Per fit: calls of the train function, and the figures last seen.
         self._calls = 0
-        self._last_mark: tuple[Any, int] | None = None
+        self._last_mark: tuple[int, tuple[int, int]] | None = None
 
     def on_train_begin(self, logs: Logs | None = None) -> None:
         _check_inspected(self, self.model)
@@ -253,7 +251,7 @@ class GradientTensorBoard(keras.callbacks.Callback):
         # function, and the figures last seen.
         self._write_histograms = False
         self._calls = 0
-        self._last_mark: tuple[Any, int] | None = None
+        self._last_mark: tuple[int, tuple[int, int]] | None = None
 
     def on_train_begin(self, logs: Logs | None = None) -> None:
         _check_inspected(self, self.model)
@@ -397,7 +395,7 @@ class GradientAlarm(keras.callbacks.Callback):
         self.max_norm = _validation.positive_float_or_none("max_norm", max_norm)
         self.triggered: tuple[int, str, float] | None = None
         self._warned: set[str] = set()
-        self._last_mark: tuple[Any, int] | None = None
+        self._last_mark: tuple[int, tuple[int, int]] | None = None
 
     def on_train_begin(self, logs: Logs | None = None) -> None:
         _check_inspected(self, self.model)

@@ -156,10 +156,20 @@ class GradientInspectionMixin(TrainStepMixin):
         state = self._current_inspection_state()
         return int(state.value(state.step)) if state else 0
 
-    def _inspection_count(self) -> int:
-        """Returns how many steps were inspected (callbacks spot new ones)."""
+    @property
+    def inspection_mark(self) -> tuple[int, int]:
+        """What tells the figures of one inspected step from another's.
+
+        A pair `(id of the inspected variable set, count of inspected
+        steps)`: it changes with each newly inspected step, and when the
+        model trains another set of variables (a layer frozen or unfrozen:
+        a state of its own, whose count starts again). A callback compares
+        it with the pair it saw last to know whether the figures are new.
+        """
         state = self._current_inspection_state()
-        return int(state.value(state.count)) if state else 0
+        if state is None:
+            return (0, 0)
+        return (id(state), int(state.value(state.count)))
 
     def _current_inspection_state(self) -> "_InspectionState | None":
         """Returns the state of the last traced step, or `None`.

@@ -115,11 +115,8 @@ class SharpnessAwareMixin(TrainStepMixin):
 
         def perturbed_loss_function() -> tuple[Tensor, Any]:
             # Reports of the second pass would count the batch twice.
-            metrics.muted = True
-            try:
+            with metrics.muting():
                 return loss_function()
-            finally:
-                metrics.muted = False
 
         _, _, perturbed = super().compute_gradients(
             perturbed_loss_function, targets, optimizer=optimizer

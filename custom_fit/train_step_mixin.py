@@ -758,7 +758,9 @@ class TrainStepMixin(
         self._inspect_and_apply(
             gradients, transformed, variables, optimizer, verdict, is_update
         )
-        guard.record(verdict, is_update)
+        for name, count in guard.record(verdict, is_update).items():
+            # Never held: a skipped step is counted.
+            self._report(name, count, reduction="sum", held=False)
         if overwritten:
             pipeline.write_overwritten(overwritten, counted)
         if is_update is not None:

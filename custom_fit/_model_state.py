@@ -19,6 +19,7 @@ class ModelState:
 
     Attributes:
         options: Dict of option name to its validated value.
+        declared: Dict of declared state name to its variable.
         metrics: The `report_metric` registry (`_step_metrics.StepMetrics`).
         guard: The guard of `skip_nonfinite` (`_guard.Guard`), made when
             the options are configured.
@@ -37,6 +38,8 @@ class ModelState:
 
     def __init__(self) -> None:
         self.options: dict[str, Any] = {}
+        # The variables of the mixins' declared `State`s, by name.
+        self.declared: dict[str, Any] = {}
         self.metrics = _step_metrics.StepMetrics()
         self.guard: Any = None
         self.holder = _state.StateHolder()
@@ -49,10 +52,8 @@ class ModelState:
         # PCGradMixin: the generator and the last order of the tasks.
         self.pcgrad_seeds: Any = None
         self.pcgrad_order: Any = None
-        # DifferentialPrivacyMixin: the generator of the noise, and the
-        # count of private steps run.
+        # DifferentialPrivacyMixin: the generator of the noise.
         self.dp_seeds: Any = None
-        self.dp_steps: Any = None
         # Why ghost clipping turned out impossible at a step ("": it did
         # not), found in the traced pass (a loss added in a layer's call).
         self.dp_ghost_blocker = ""

@@ -35,6 +35,7 @@ import keras
 
 from custom_fit import _model_state
 from custom_fit import _validation
+from custom_fit import backend
 
 # Keywords a functional model's constructor uses; Keras' `Functional`
 # silently drops every other one.
@@ -175,6 +176,118 @@ def _names(argument: str, names: Any) -> tuple[str, ...]:
             f"{argument}={names!r}. Pass for example {argument}=('clipnorm',)."
         )
     return tuple(names)
+
+
+class State:
+    """A state variable of a mixin, made for each model and carried by its step.
+
+    Declare it as a class attribute of a mixin, beside its options. Each
+    model gets its own variable, zero when the model is built; read and
+    write it inside the step as `self.<name>` (`keras.ops` reads it,
+    `.assign` writes it). It is custom_fit's state, made for every backend
+    alike: carried with the step on JAX (whose step is pure), one copy per
+    replica under `tf.distribute` (each replica writes the same, global
+    figures), laid out beside the model's weights. It is not one of the
+    model's weights: `get_weights()` and `.keras` files leave it out, and a
+    loaded model starts it from zero again.
+
+    Args:
+        shape: Tuple of ints. The variable's shape. Defaults to `()`.
+        dtype: String. Its dtype. Defaults to `"float32"`.
+        requires: Tuple of option names: the variable is made only when
+            one of them is set (away from its default). Defaults to `()`
+            (always).
+
+    Example:
+
+    ```python
+    class NormAverageMixin(custom_fit.TrainStepMixin):
+        gradient_norm_total = custom_fit.options.State((), "float32")
+
+        def inspect_gradients(self, gradients, transformed, variables,
+                              optimizer=None):
+            super().inspect_gradients(
+                gradients, transformed, variables, optimizer=optimizer)
+            norm = custom_fit.clipping.global_norm(gradients)
+            self.gradient_norm_total.assign(self.gradient_norm_total + norm)
+    ```
+    """
+
+    def __init__(
+        self,
+        shape: Sequence[int] = (),
+        dtype: str = "float32",
+        *,
+        requires: Sequence[str] = (),
+    ) -> None:
+        self.shape = tuple(int(size) for size in shape)
+        self.dtype = dtype
+        self.requires = _names("requires", requires)
+        self.name = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+        self.__doc__ = (
+            f"The state variable `{name}` of {owner.__name__}: shape "
+            f"{self.shape}, {self.dtype}."
+        )
+
+    def __repr__(self) -> str:
+        return f"State(shape={self.shape}, dtype={self.dtype!r})"
+
+    def __get__(self, instance: object, owner: type | None = None) -> Any:
+        if instance is None:
+            return self
+        made = _model_state.state_of(instance).declared.get(self.name)
+        if made is None:
+            raise ValueError(
+                f"The state `{self.name}` of {type(instance).__name__} was "
+                f"not made: it requires one of {list(self.requires)} to be "
+                f"set. Received: a read of `{self.name}`. Set one of them, "
+                "or read it only when they are."
+            )
+        return made
+
+    def __set__(self, instance: object, value: Any) -> None:
+        raise AttributeError(
+            f"`{self.name}` is a state variable: write it with "
+            f"`self.{self.name}.assign(value)` inside the step. Received an "
+            f"assignment: {self.name}={value!r}."
+        )
+
+
+def declared_states(cls: type) -> dict[str, State]:
+    """Returns the `State`s that `cls` and its bases declare, bases first."""
+    states: dict[str, State] = {}
+    for klass in reversed(cls.__mro__):
+        for name, attribute in vars(klass).items():
+            if isinstance(attribute, State):
+                states[name] = attribute
+    return states
+
+
+def make_states(instance: object) -> None:
+    """Makes the declared state variables of a model, once each.
+
+    Those whose `requires` options are all at their defaults are not made.
+    """
+    state = _model_state.state_of(instance)
+    options = declared_options(type(instance))
+    for name, declared in declared_states(type(instance)).items():
+        if name in state.declared:
+            continue
+        if declared.requires and not any(
+            other in options
+            and _is_set(getattr(instance, other))
+            and not _same(getattr(instance, other), options[other].default)
+            for other in declared.requires
+        ):
+            continue
+        variable = backend.current().state_variable(
+            declared.shape, declared.dtype, name, False
+        )
+        state.holder.track(variable)
+        state.declared[name] = variable
 
 
 def declared_options(cls: type) -> dict[str, Option]:

@@ -137,16 +137,21 @@ def refuse_options_hiding_keras(cls: type) -> None:
         for klass in cls.__mro__
         if klass.__module__.split(".")[0] in _KERAS_PACKAGES
     ]
-    for name, option in _options.declared_options(cls).items():
+    declared = {
+        **_options.declared_options(cls),
+        **_options.declared_states(cls),
+    }
+    for name, option in declared.items():
         if name in _KERAS_INSTANCE_ATTRIBUTES or any(
             hasattr(klass, name) for klass in keras_classes
         ):
-            owner = getattr(option.owner, "__name__", cls.__name__)
+            owner = getattr(option, "owner", None) or cls
+            kind = type(option).__name__
             raise TypeError(
-                f"The option `{name}` of {owner} has the name of an "
-                "attribute of Keras models, which it would hide. Received: "
-                f"{owner}.{name} = Option(...). Give the option another "
-                "name."
+                f"The {kind.lower()} `{name}` of {owner.__name__} has the "
+                "name of an attribute of Keras models, which it would hide. "
+                f"Received: {owner.__name__}.{name} = {kind}(...). Give it "
+                "another name."
             )
 
 

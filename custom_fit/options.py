@@ -1,4 +1,4 @@
-"""Options for your own mixins, declared as custom_fit declares its own.
+"""Options and state for your own mixins, declared as custom_fit's own.
 
 A mixin declares each constructor keyword it takes as an `Option` class
 attribute. The model then validates it when it is built, refuses it when an
@@ -7,6 +7,11 @@ saves it in `get_config()` and `.keras` files, reads it back on loading,
 refuses assignments to it, and suggests it for a misspelled keyword. A
 schedulable option also takes a `keras.optimizers.schedules` schedule,
 read in the step with `model.option_in_step(name)`.
+
+A mixin that keeps figures from step to step declares them as `State`
+class attributes: each model gets its own variable, made on every backend
+and carried with the step (JAX's step is pure), read and written inside the
+step as `self.<name>`.
 
 The validators below are what custom_fit's own options use: each is a
 callable `(name, value) -> value` that returns the value to store and
@@ -37,6 +42,7 @@ class GradientNoiseMixin(custom_fit.TrainStepMixin):
 """
 
 from custom_fit._options import Option
+from custom_fit._options import State
 from custom_fit._validation import boolean
 from custom_fit._validation import fraction
 from custom_fit._validation import names_or_none
@@ -50,6 +56,7 @@ from custom_fit._validation import seed_or_none
 
 __all__ = [
     "Option",
+    "State",
     "boolean",
     "fraction",
     "names_or_none",

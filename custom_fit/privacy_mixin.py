@@ -16,7 +16,6 @@ from custom_fit import _keras_compat
 from custom_fit import _keras_model
 from custom_fit import _model_state
 from custom_fit import _options
-from custom_fit import _state
 from custom_fit import _validation
 from custom_fit import backend
 from custom_fit import callbacks as callbacks_module
@@ -292,6 +291,8 @@ class DifferentialPrivacyMixin(TrainStepMixin):
     clipping_method = _options.Option(
         "auto", _validation.one_of(CLIPPING_METHODS)
     )
+    # Every step the mechanism ran (`private_steps`), skipped ones included.
+    _private_step_count = _options.State((), "int32")
 
     def _configure_options(self, options: dict[str, Any]) -> None:
         """Checks the options; makes the noise's generator and the count."""
@@ -336,8 +337,6 @@ class DifferentialPrivacyMixin(TrainStepMixin):
         state = _model_state.state_of(self)
         state.dp_seeds = keras.random.SeedGenerator(self.noise_seed)
         state.holder.track(state.dp_seeds.state)
-        state.dp_steps = _state.state_variable((), "int32", "private_steps")
-        state.holder.track(state.dp_steps)
 
     def fit(self, *args: Any, **kwargs: Any) -> Any:
         """Trains the model: `keras.Model.fit`, with the same arguments.
@@ -381,8 +380,9 @@ class DifferentialPrivacyMixin(TrainStepMixin):
     @property
     def private_steps(self) -> int:
         """The private steps run so far, skipped updates included."""
-        counter = _model_state.state_of(self).dp_steps
-        return int(backend.current().host_value(self, counter))
+        return int(
+            backend.current().host_value(self, self._private_step_count)
+        )
 
     @property
     def per_example_clipping(self) -> str:
@@ -511,7 +511,7 @@ class DifferentialPrivacyMixin(TrainStepMixin):
         else:
             count = state.local.dp_microbatches * steps
         # The mechanism runs once per update, whatever becomes of it.
-        counter = state.dp_steps
+        counter = self._private_step_count
         current = backend.current().read(counter)
         counter.assign(
             current + 1

@@ -304,6 +304,7 @@ class TrainStepMixin(
             self.dtype_policy.variable_dtype
         )
         _options.store_options(self, options, dtype)
+        _options.make_states(self)
         state = _model_state.state_of(self)
         state.guard = _guard.Guard(self)
 

@@ -47,6 +47,7 @@ EXPECTED = {
         r"(?s)Put the custom_fit mixins first.*GradientInspectionMixin.*"
         r"Did you mean `global_clipnorm`.*fixed when the model is built"
     ),
+    ("docs/guides/your-own-mixin.md", "State"): r"^[0-9.]+\s*$",
     ("docs/guides/your-own-mixin.md", "Annealed gradient noise"): (
         r"(?s)Received: gradient_noise_stddev=-0\.1.*Did you mean "
         r"`gradient_noise_stddev`.*ExponentialDecay 1.*fixed when the model"

@@ -217,3 +217,93 @@ class ScheduleTest(testing.TestCase):
         self.assertIn("gradient_noise_seed=1, global_clipnorm=1.0", lines[0])
         logged = [float(line.split()[-1]) for line in lines[1:3]]
         self.assertGreater(logged[0], logged[1])
+
+
+@keras.saving.register_keras_serializable(package="tests")
+class NormTotalMixin(custom_fit.TrainStepMixin):
+    """A stateful, schedulable transform written against public names
+    only: it sums `norm_scale` times each update's gradient norm in a
+    declared state variable, and counts the updates in another."""
+
+    norm_scale = options.Option(1.0, options.positive_float, schedulable=True)
+    gradient_norm_total = options.State((), "float32")
+    update_count = options.State((), "int32")
+
+    def inspect_gradients(
+        self, gradients, transformed_gradients, variables, optimizer=None
+    ):
+        super().inspect_gradients(
+            gradients, transformed_gradients, variables, optimizer=optimizer
+        )
+        norm = custom_fit.clipping.global_norm(gradients)
+        scale = self.option_in_step("norm_scale")
+        self.gradient_norm_total.assign(self.gradient_norm_total + scale * norm)
+        self.update_count.assign(self.update_count + 1)
+
+
+@keras.saving.register_keras_serializable(package="tests")
+class NormTotalNet(NormTotalMixin, keras.Model):
+    pass
+
+
+class DeclaredStateTest(testing.TestCase):
+    @parameterized.named_parameters(*testing.EXECUTION_MODES)
+    def test_state_is_made_updated_and_carried(self, mode):
+        """The declared state holds what the step wrote, on every backend
+        and mode: the sum of the scheduled scale times the oracle's norm of
+        each update's gradients, and the count of updates."""
+        from tests import layer_logs_test as oracle_module
+
+        schedule = keras.optimizers.schedules.ExponentialDecay(
+            1.0, decay_steps=1, decay_rate=0.5
+        )
+        model = testing.mlp(NormTotalNet, norm_scale=schedule)
+        model.compile(
+            optimizer=keras.optimizers.SGD(oracle_module.RATE),
+            loss=testing.sparse_crossentropy(),
+            **mode,
+        )
+        x, y = testing.classification_data()
+        oracle_module.fit(model, x, y, epochs=2)
+        figures = oracle_module.oracle_steps(testing.mlp(), x, y, 8, {})
+        expected = sum(0.5**t * f["global"] for t, f in enumerate(figures))
+        self.assertAllClose(
+            testing.to_numpy(model.gradient_norm_total), expected, rtol=1e-5
+        )
+        self.assertEqual(int(testing.to_numpy(model.update_count)), 8)
+
+    def test_state_is_no_weight_and_a_loaded_model_starts_it_again(self):
+        """The state is not among the weights; saved and loaded, the model
+        keeps its options and makes its state again, from zero."""
+        model = testing.mlp(NormTotalNet, norm_scale=2.0)
+        weights = len(testing.mlp().get_weights())
+        self.assertLen(model.get_weights(), weights)
+        model.compile(optimizer="sgd", loss=testing.sparse_crossentropy())
+        x, y = testing.classification_data(samples=16)
+        model.fit(x, y, batch_size=8, verbose=0)
+        self.assertEqual(int(testing.to_numpy(model.update_count)), 2)
+        path = os.path.join(tempfile.mkdtemp(), "total.keras")
+        model.save(path)
+        loaded = keras.models.load_model(path)
+        self.assertEqual(loaded.norm_scale, 2.0)
+        self.assertEqual(int(testing.to_numpy(loaded.update_count)), 0)
+        loaded.fit(x, y, batch_size=8, verbose=0)
+        self.assertEqual(int(testing.to_numpy(loaded.update_count)), 2)
+
+    def test_state_is_read_only_and_made_on_request(self):
+        """Assigning the attribute is refused; a state that requires an
+        option is made only with it."""
+
+        class Optional(custom_fit.TrainStepMixin):
+            level = options.Option(None, options.positive_float_or_none)
+            total = options.State((), "float32", requires=("level",))
+
+        class Model(Optional, keras.Model):
+            pass
+
+        with self.assertRaisesRegex(ValueError, r"requires one of \['level'\]"):
+            testing.mlp(Model).total  # noqa: B018
+        model = testing.mlp(Model, level=1.0)
+        self.assertEqual(float(testing.to_numpy(model.total)), 0.0)
+        with self.assertRaisesRegex(AttributeError, r"\.assign\(value\)"):
+            model.total = 1.0

@@ -110,3 +110,20 @@ def add_all(values: list[Any]) -> Any:
     if len(values) == 1:
         return values[0]
     return ops.sum(ops.stack(values), axis=0)
+
+
+def scale_all(gradients: list[Any], factor: Any) -> list[Any]:
+    """Returns the gradients times `factor`, `None` kept, in one fused call.
+
+    Args:
+        gradients: List of tensors, sparse gradients or `None`.
+        factor: Float or scalar tensor.
+
+    Returns:
+        The list of scaled gradients (each in its own dtype).
+    """
+    present = [g for g in gradients if g is not None]
+    if not present:
+        return list(gradients)
+    scaled = iter(backend.current().scaled(present, factor))
+    return [None if g is None else next(scaled) for g in gradients]

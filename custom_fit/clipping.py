@@ -202,7 +202,7 @@ def clip_by_global_norm(
     if norm is None:
         norm = global_norm(gradients)
     factor = global_clip_factor(norm, global_clipnorm)
-    return [None if g is None else _scale(g, factor) for g in gradients]
+    return _gradient_ops.scale_all(gradients, factor)
 
 
 def clip_by_group_norm(

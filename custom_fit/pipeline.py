@@ -86,14 +86,14 @@ def _multiply(
     Variables that Keras overwrites with their gradient (float8 scales) are
     left alone, as Keras never scales them.
     """
-    return [
-        g
-        if g is None or is_overwritten(v)
-        else _gradient_ops.map_values(
-            lambda values: values * ops.cast(factor, values.dtype), g
-        )
+    kept = [
+        g is not None and not is_overwritten(v)
         for g, v in zip(gradients, variables)
     ]
+    scaled = _gradient_ops.scale_all(
+        [g if keep else None for g, keep in zip(gradients, kept)], factor
+    )
+    return [new if keep else g for g, new, keep in zip(gradients, scaled, kept)]
 
 
 def is_overwritten(variable: Variable) -> bool:

@@ -380,9 +380,7 @@ class DifferentialPrivacyMixin(TrainStepMixin):
     @property
     def private_steps(self) -> int:
         """The private steps run so far, skipped updates included."""
-        return int(
-            backend.current().host_value(self, self._private_step_count)
-        )
+        return int(backend.current().host_value(self, self._private_step_count))
 
     @property
     def per_example_clipping(self) -> str:

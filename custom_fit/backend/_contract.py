@@ -101,6 +101,14 @@ class Adapter(Protocol):
         """
         ...
 
+    def scaled(self, gradients: Sequence[Any], factor: Any) -> list[Any]:
+        """Returns each gradient times `factor` (a float or scalar tensor).
+
+        In each gradient's dtype; none is `None` (a sparse one keeps its
+        indices); in one fused primitive where the backend has one.
+        """
+        ...
+
     def normal(self, shape: Sequence[int], dtype: str, seeds: Any) -> Any:
         """Returns standard normal draws, advancing the `SeedGenerator`."""
         ...

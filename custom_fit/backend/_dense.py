@@ -24,6 +24,11 @@ def squared_sums(gradients: Sequence[Any]) -> Any:
     )
 
 
+def scaled(gradients: Sequence[Any], factor: Any) -> list[Any]:
+    """Returns each gradient times `factor`, in its own dtype."""
+    return [g * ops.cast(factor, g.dtype) for g in gradients]
+
+
 # Replicas: one, whose gradients are the global batch's already.
 
 

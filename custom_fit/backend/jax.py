@@ -59,6 +59,7 @@ from custom_fit.backend._dense import on_first_replica  # noqa: F401
 from custom_fit.backend._dense import recorded_gradients  # noqa: F401
 from custom_fit.backend._dense import reducible_logs  # noqa: F401
 from custom_fit.backend._dense import replica_count  # noqa: F401
+from custom_fit.backend._dense import scaled  # noqa: F401
 from custom_fit.backend._dense import squared_sums  # noqa: F401
 
 _LOCAL = threading.local()

@@ -527,6 +527,13 @@ def squared_sums(gradients: Sequence[Any]) -> Any:
     )
 
 
+def scaled(gradients: Sequence[Any], factor: Any) -> list[Any]:
+    """Returns each gradient times `factor`; sparse ones keep indices."""
+    return [
+        map_values(lambda v: v * tf.cast(factor, v.dtype), g) for g in gradients
+    ]
+
+
 def _values(gradient: Any) -> Any:
     """The tensor that holds the numbers of a gradient."""
     return (

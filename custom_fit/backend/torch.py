@@ -130,6 +130,21 @@ def squared_sums(gradients: Sequence[Any]) -> Any:
     return torch.stack(torch._foreach_norm(tensors, 2)).square()
 
 
+def scaled(gradients: Sequence[Any], factor: Any) -> list[Any]:
+    """Returns each gradient times `factor`, in one fused call per dtype.
+
+    `torch._foreach_mul` (as Keras' PyTorch optimizers use `_foreach_*`):
+    an eager step would otherwise dispatch one op per gradient.
+    """
+    tensors = list(gradients)
+    dtypes = {g.dtype for g in tensors}
+    if len(dtypes) != 1:
+        return [g * torch.as_tensor(factor, dtype=g.dtype) for g in tensors]
+    dtype = dtypes.pop()
+    factor = torch.as_tensor(factor, dtype=dtype, device=tensors[0].device)
+    return list(torch._foreach_mul(tensors, factor))
+
+
 def normal(shape: Sequence[int], dtype: str, seeds: Any) -> Any:
     """Returns standard normal draws of `shape`, seeded from `seeds`.
 

@@ -530,7 +530,10 @@ def squared_sums(gradients: Sequence[Any]) -> Any:
 def scaled(gradients: Sequence[Any], factor: Any) -> list[Any]:
     """Returns each gradient times `factor`; sparse ones keep indices."""
     return [
-        map_values(lambda v: v * tf.cast(factor, v.dtype), g) for g in gradients
+        map_values(lambda v: v * tf.cast(factor, v.dtype), g)
+        if isinstance(g, tf.IndexedSlices)
+        else g * tf.cast(factor, g.dtype)
+        for g in gradients
     ]
 
 

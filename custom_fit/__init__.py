@@ -11,6 +11,7 @@ from custom_fit import ghost
 from custom_fit import inspection
 from custom_fit import options
 from custom_fit import pcgrad
+from custom_fit import per_example
 from custom_fit import pipeline
 from custom_fit import privacy
 from custom_fit import regularization
@@ -45,6 +46,7 @@ __all__ = [
     "inspection",
     "options",
     "pcgrad",
+    "per_example",
     "pipeline",
     "privacy",
     "regularization",

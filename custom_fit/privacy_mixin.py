@@ -11,7 +11,6 @@ import numpy as np
 from keras import ops
 
 from custom_fit import _ghost_layers
-from custom_fit import _gradient_ops
 from custom_fit import _keras_compat
 from custom_fit import _keras_model
 from custom_fit import _model_state
@@ -19,7 +18,7 @@ from custom_fit import _options
 from custom_fit import _validation
 from custom_fit import backend
 from custom_fit import callbacks as callbacks_module
-from custom_fit import ghost
+from custom_fit import per_example
 from custom_fit import pipeline
 from custom_fit import privacy
 from custom_fit._types import Gradients
@@ -121,26 +120,6 @@ def _is_arrays(x: Any) -> bool:
         isinstance(item, np.ndarray) or hasattr(item, "__array__")
         for item in flat
     )
-
-
-def _weighted(weights: Any) -> Tensor:
-    """Returns, per microbatch, whether any of its sample weights is not 0.
-
-    Args:
-        weights: The sample weights split into microbatches: a tensor, or
-            a nested structure of them, whose first axis is the microbatch.
-
-    Returns:
-        A boolean vector.
-    """
-    flags = [
-        ops.any(ops.reshape(ops.not_equal(w, 0), (ops.shape(w)[0], -1)), axis=1)
-        for w in keras.tree.flatten(weights)
-    ]
-    found = flags[0]
-    for more in flags[1:]:
-        found = ops.logical_or(found, more)
-    return found
 
 
 class DifferentialPrivacyMixin(TrainStepMixin):
@@ -529,53 +508,22 @@ class DifferentialPrivacyMixin(TrainStepMixin):
         variables: list[Variable],
         optimizer: Optimizer,
     ) -> Gradients:
-        """Returns the sums of the clipped microbatch gradients.
+        """Returns the sums of the clipped microbatch gradients, vectorized.
 
-        Summed across replicas; the number of microbatches of the global
-        batch is kept for `finalize_gradients` (`local.dp_microbatches`).
+        Summed across replicas (`per_example.vectorized_clipped_sums`); the
+        number of microbatches of the global batch is kept for
+        `finalize_gradients` (`local.dp_microbatches`).
         """
         microbatches = self._microbatch_count(x)
-        # With one example per microbatch the batch may be of any size.
-        lead = (-1, 1) if microbatches is None else (microbatches, -1)
-
-        def split(tensor: Any) -> Any:
-            if tensor is None:
-                return None
-            tensor = ops.convert_to_tensor(tensor)
-            if microbatches is not None and tensor.shape[0] is None:
-                tensor = backend.current().divisible_first_axis(
-                    tensor,
-                    microbatches,
-                    "`num_microbatches` must divide the batch size. "
-                    f"Received: num_microbatches={microbatches} and a batch "
-                    "of the dataset whose size it does not divide (often "
-                    "the last, shorter batch). Batch the dataset with "
-                    "drop_remainder=True and a batch size that "
-                    "num_microbatches divides.",
-                )
-            return ops.reshape(tensor, lead + tuple(tensor.shape[1:]))
-
-        inputs: tuple = (
-            keras.tree.map_structure(split, x),
-            keras.tree.map_structure(split, y),
-        )
-        if sample_weight is not None:
-            inputs += (keras.tree.map_structure(split, sample_weight),)
-        replicas = pipeline.replica_count()
-        scale = pipeline.loss_scale(optimizer)
-
-        def microbatch_loss(x: Any, y: Any, weights: Any = None) -> Tensor:
-            y_pred = self.forward_pass(x, training=True)
-            losses = _keras_compat.per_output_losses(self, y, y_pred, weights)
-            # A microbatch's loss: the mean of its examples' losses (Keras
-            # divides by the replica count under tf.distribute: undone).
-            loss = _gradient_ops.add_all(list(losses.values())) * replicas
-            for extra in self.losses:
-                loss = loss + ops.cast(ops.sum(extra), loss.dtype)
-            return optimizer.scale_loss(loss)
-
-        per_microbatch, vectorized = backend.current().per_example_gradients(
-            microbatch_loss, variables, inputs
+        clipped, vectorized = per_example.vectorized_clipped_sums(
+            self,
+            x,
+            y,
+            sample_weight,
+            variables,
+            optimizer,
+            ops.cast(self.l2_norm_clip, "float32"),
+            microbatches,
         )
         if not vectorized:
             self._warn_once(
@@ -584,17 +532,8 @@ class DifferentialPrivacyMixin(TrainStepMixin):
                 "vectorized over microbatches, so their gradients are "
                 "computed one after another (slower, same result).",
             )
-        if scale is not None:
-            per_microbatch = [
-                g / ops.cast(scale, g.dtype) for g in per_microbatch
-            ]
-        clip = ops.cast(self.l2_norm_clip, "float32")
-        # A microbatch whose sample weights are all 0 (a padding row of a
-        # Poisson batch) contributes nothing, `model.losses` included.
-        mask = None if sample_weight is None else _weighted(inputs[2])
-        sums, norms = privacy.clip_and_sum(per_microbatch, clip, mask)
-        self._note_clipping(x, norms, mask, microbatches)
-        return pipeline.all_reduce_sum(sums)
+        self._note_clipping(x, clipped.norms, clipped.mask, microbatches)
+        return clipped.sums
 
     def _note_clipping(
         self, x: Any, norms: Tensor, mask: Any, microbatches: int | None
@@ -670,125 +609,31 @@ class DifferentialPrivacyMixin(TrainStepMixin):
     ) -> tuple[Tensor, Any, Gradients] | None:
         """Returns the loss, `y_pred` and clipped sums by ghost clipping.
 
-        One forward pass over the batch, recording each supported layer's
-        inputs and the gradients of the summed per-example losses with
-        respect to its outputs; the per-example norms, then the
-        factor-weighted sums, come from those (`custom_fit.ghost`).
-        `None` when the pass shows that ghost clipping does not apply
-        (remembered; the step then computes per-example gradients).
+        See `per_example.ghost_clipped_sums`. `None` when its pass shows
+        that ghost clipping does not apply (remembered; the step then
+        computes per-example gradients).
         """
-        x, y, weights = (
-            loss_function.x,
-            loss_function.y,
-            loss_function.sample_weight,
+        found = per_example.ghost_clipped_sums(
+            self,
+            loss_function,
+            (loss_function.x, loss_function.y, loss_function.sample_weight),
+            variables,
+            optimizer,
+            ops.cast(self.l2_norm_clip, "float32"),
         )
-        layers = _ghost_layers.layers_to_record(self, variables)
-        regularized = [v for v in self.trainable_weights if v.regularizer]
-        problems: list[str] = []
-        calls: list[Any] = []
-
-        def run(watch: Callable[[Any], Any]) -> tuple[Tensor, Any]:
-            with _ghost_layers.recording(layers, watch) as recorded:
-                loss, y_pred = loss_function()
-            calls[:] = [layer for layer, _ in recorded]
-            if len(self.losses) != len(regularized):
-                problems.append(
-                    "a layer adds a loss in its call (add_loss), whose "
-                    "gradient is no product of a layer's inputs and output "
-                    "gradients"
-                )
-            # The sum of the examples' losses, each as the vectorized path
-            # has it (Keras' `1 / replicas` scaling undone).
-            total, problem = _keras_compat.summed_example_losses(
-                self, y, y_pred, weights
-            )
-            if total is None:
-                problems.append(problem)
-                total = loss
-            value = optimizer.scale_loss(total * pipeline.replica_count())
-            return value, (loss, y_pred, [t for _, t in recorded])
-
-        _, aux, gradients = backend.current().intermediate_gradients(run)
-        loss, y_pred, inputs = aux
-        first = next(t for t in keras.tree.flatten(x) if t is not None)
-        for layer, tensor in zip(calls, inputs):
-            problems.append(
-                _ghost_layers.call_problem(layer, tensor, first.shape[0])
-            )
-        problems = [p for p in problems if p]
-        if problems:
+        if isinstance(found, str):
             if self.clipping_method == "ghost":
                 raise ValueError(
                     "`clipping_method='ghost'` cannot clip this model "
-                    f"without per-example gradients: {problems[0]}. "
+                    f"without per-example gradients: {found}. "
                     "Received: clipping_method='ghost'. Use "
                     "clipping_method='auto' or 'vectorized'."
                 )
-            _model_state.state_of(self).dp_ghost_blocker = problems[0]
+            _model_state.state_of(self).dp_ghost_blocker = found
             return None
-        terms = self._ghost_terms(
-            calls, inputs, gradients, variables, optimizer
-        )
-        shared = self._shared_gradients(variables, regularized)
-        squares = ops.zeros(ops.shape(first)[:1], "float32")
-        for v in variables:
-            squares += ghost.squared_norms(terms[id(v)], shared.get(id(v)))
-        # A NaN stays NaN (its example then counts zero); rounding below 0
-        # does not.
-        norms = ops.sqrt(ops.where(squares < 0.0, 0.0, squares))
-        mask = None if weights is None else _weighted(weights)
-        clip = ops.cast(self.l2_norm_clip, "float32")
-        factors = ops.stop_gradient(privacy.clip_factors(norms, clip, mask))
-        sums = [
-            ghost.weighted_sum(
-                terms[id(v)], factors, v.shape, shared.get(id(v))
-            )
-            for v in variables
-        ]
-        self._note_clipping(x, norms, mask, None)
-        return loss, y_pred, pipeline.all_reduce_sum(sums)
-
-    def _ghost_terms(
-        self,
-        calls: list[Any],
-        inputs: list[Any],
-        gradients: list[Any],
-        variables: list[Variable],
-        optimizer: Optimizer,
-    ) -> dict[int, list[ghost.Term]]:
-        """Returns each variable's terms, from every recorded call."""
-        scale = pipeline.loss_scale(optimizer)
-        wanted = {id(v) for v in variables}
-        terms: dict[int, list[ghost.Term]] = {key: [] for key in wanted}
-        for layer, tensor, gradient in zip(calls, inputs, gradients):
-            if scale is not None:
-                gradient = gradient / ops.cast(scale, gradient.dtype)
-            found = _ghost_layers.terms(layer, tensor, gradient, wanted)
-            for key, more in found.items():
-                terms[key].extend(more)
-        return terms
-
-    def _shared_gradients(
-        self, variables: list[Variable], regularized: list[Variable]
-    ) -> dict[int, Tensor]:
-        """Returns the gradients of the weight regularizers (`model.losses`).
-
-        Every example's loss includes them, so every example's gradient
-        has this part.
-        """
-        wanted = {id(v) for v in variables}
-        own = [v for v in regularized if id(v) in wanted]
-        if not own:
-            return {}
-
-        def penalty() -> tuple[Tensor, None]:
-            values = [
-                ops.cast(ops.sum(v.regularizer(v)), "float32") for v in own
-            ]
-            return _gradient_ops.add_all(values), None
-
-        _, _, gradients = backend.current().value_and_grad(penalty, own)
-        return {id(v): g for v, g in zip(own, gradients)}
+        loss, y_pred, clipped = found
+        self._note_clipping(loss_function.x, clipped.norms, clipped.mask, None)
+        return loss, y_pred, clipped.sums
 
     def _microbatch_count(self, x: Any) -> int | None:
         """Returns the number of microbatches; `None`: one per example.

@@ -29,6 +29,25 @@ def scaled(gradients: Sequence[Any], factor: Any) -> list[Any]:
     return [g * ops.cast(factor, g.dtype) for g in gradients]
 
 
+def normal(shape: Sequence[int], dtype: str, seeds: Any) -> Any:
+    """Returns standard normal draws of `shape`, seeded from `seeds`.
+
+    `seeds` is a `keras.random.SeedGenerator`, advanced by one draw.
+    """
+    return keras.random.normal(shape, dtype=dtype, seed=seeds)
+
+
+def divisible_first_axis(tensor: Any, count: int, message: str) -> Any:
+    """Returns `tensor`, checking that `count` divides its first axis.
+
+    Shapes are static under `jax.jit` and in an eager step: a
+    `ValueError(message)` is raised at trace time, or at once.
+    """
+    if tensor.shape[0] % count:
+        raise ValueError(message)
+    return tensor
+
+
 # Replicas: one, whose gradients are the global batch's already.
 
 

@@ -53,8 +53,10 @@ from custom_fit.backend._dense import check_recorded_loss  # noqa: F401
 from custom_fit.backend._dense import deduplicate  # noqa: F401
 from custom_fit.backend._dense import dense  # noqa: F401
 from custom_fit.backend._dense import dense_size  # noqa: F401
+from custom_fit.backend._dense import divisible_first_axis  # noqa: F401
 from custom_fit.backend._dense import is_sparse  # noqa: F401
 from custom_fit.backend._dense import map_values  # noqa: F401
+from custom_fit.backend._dense import normal  # noqa: F401
 from custom_fit.backend._dense import on_first_replica  # noqa: F401
 from custom_fit.backend._dense import recorded_gradients  # noqa: F401
 from custom_fit.backend._dense import reducible_logs  # noqa: F401
@@ -204,25 +206,6 @@ def values_and_grads(
     scope.state_mapping.update(updates)
     _write_back(scope, skip=frozenset(id(v) for v in variables))
     return losses, aux, gradients
-
-
-def normal(shape: Sequence[int], dtype: str, seeds: Any) -> Any:
-    """Returns standard normal draws of `shape`, seeded from `seeds`.
-
-    `seeds` is a `keras.random.SeedGenerator`, advanced by one draw.
-    """
-    return keras.random.normal(shape, dtype=dtype, seed=seeds)
-
-
-def divisible_first_axis(tensor: Any, count: int, message: str) -> Any:
-    """Returns `tensor`, checking that `count` divides its first axis.
-
-    Shapes are static under `jax.jit`: a `ValueError(message)` is raised
-    at trace time.
-    """
-    if tensor.shape[0] % count:
-        raise ValueError(message)
-    return tensor
 
 
 def per_example_gradients(

@@ -17,6 +17,10 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from custom_fit.backend._stateful import after_state_sync  # noqa: F401
+from custom_fit.backend._stateful import make_step_function  # noqa: F401
+from custom_fit.backend._stateful import write_latest  # noqa: F401
+
 # Differentiation.
 
 
@@ -470,16 +474,6 @@ def fetch(value: Any) -> np.ndarray:
     return np.asarray(value)
 
 
-def write_latest(model: Any) -> None:
-    """Does nothing: TensorFlow variables always hold the latest values."""
-    del model
-
-
-def after_state_sync(model: Any) -> None:
-    """Does nothing: the step is stateful, Keras syncs no state."""
-    del model
-
-
 def copy(value: Any) -> Any:
     """Returns a copy of a variable's current value, kept in the step."""
     return tf.identity(tf.convert_to_tensor(value))
@@ -575,17 +569,6 @@ def check_strategy() -> None:
 def check_compile(jit_compile: Any) -> None:
     """Accepts every `jit_compile` (XLA included)."""
     del jit_compile
-
-
-def make_step_function(
-    model: Any,
-    kind: str,
-    build_keras_function: Callable[[], Any],
-    own_state: Callable[[], list[Any]],
-) -> Any:
-    """Returns Keras' own train or test function: the step is stateful."""
-    del model, kind, own_state
-    return build_keras_function()
 
 
 def _is_multi_worker(model: Any) -> bool:

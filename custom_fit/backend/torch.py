@@ -42,12 +42,17 @@ from custom_fit.backend._dense import check_recorded_loss  # noqa: F401
 from custom_fit.backend._dense import deduplicate  # noqa: F401
 from custom_fit.backend._dense import dense  # noqa: F401
 from custom_fit.backend._dense import dense_size  # noqa: F401
+from custom_fit.backend._dense import divisible_first_axis  # noqa: F401
 from custom_fit.backend._dense import is_sparse  # noqa: F401
 from custom_fit.backend._dense import map_values  # noqa: F401
+from custom_fit.backend._dense import normal  # noqa: F401
 from custom_fit.backend._dense import on_first_replica  # noqa: F401
 from custom_fit.backend._dense import recorded_gradients  # noqa: F401
 from custom_fit.backend._dense import reducible_logs  # noqa: F401
 from custom_fit.backend._dense import replica_count  # noqa: F401
+from custom_fit.backend._stateful import after_state_sync  # noqa: F401
+from custom_fit.backend._stateful import make_step_function  # noqa: F401
+from custom_fit.backend._stateful import write_latest  # noqa: F401
 
 
 def _parameter(variable: Any) -> Any:
@@ -143,24 +148,6 @@ def scaled(gradients: Sequence[Any], factor: Any) -> list[Any]:
     dtype = dtypes.pop()
     factor = torch.as_tensor(factor, dtype=dtype, device=tensors[0].device)
     return list(torch._foreach_mul(tensors, factor))
-
-
-def normal(shape: Sequence[int], dtype: str, seeds: Any) -> Any:
-    """Returns standard normal draws of `shape`, seeded from `seeds`.
-
-    `seeds` is a `keras.random.SeedGenerator`, advanced by one draw.
-    """
-    return keras.random.normal(shape, dtype=dtype, seed=seeds)
-
-
-def divisible_first_axis(tensor: Any, count: int, message: str) -> Any:
-    """Returns `tensor`, checking that `count` divides its first axis.
-
-    The step is eager: a `ValueError(message)` is raised at once.
-    """
-    if tensor.shape[0] % count:
-        raise ValueError(message)
-    return tensor
 
 
 def per_example_gradients(
@@ -367,16 +354,6 @@ def fetch(value: Any) -> np.ndarray:
     return np.asarray(keras.ops.convert_to_numpy(value))
 
 
-def write_latest(model: Any) -> None:
-    """Does nothing: the variables always hold the latest values."""
-    del model
-
-
-def after_state_sync(model: Any) -> None:
-    """Does nothing: the step is stateful, Keras syncs no state."""
-    del model
-
-
 # Training functions.
 
 
@@ -399,17 +376,6 @@ def check_strategy() -> None:
             "(keras.distribution) or TensorFlow (tf.distribute) to scale "
             "out."
         )
-
-
-def make_step_function(
-    model: Any,
-    kind: str,
-    build_keras_function: Callable[[], Any],
-    own_state: Callable[[], list[Any]],
-) -> Any:
-    """Returns Keras' own train or test function: the step is stateful."""
-    del model, kind, own_state
-    return build_keras_function()
 
 
 def check_compile(jit_compile: Any) -> None:

@@ -196,6 +196,18 @@ FIT_CONFIGURATIONS = {
         {"global_clipnorm": 1.0, "inspect_every": 1},
         {},
     ),
+    # The stack of issue 24's table: clipping, inspection, the guard with a
+    # spike rule, L2.
+    "guarded_stack": (
+        StackedModel,
+        {
+            "global_clipnorm": 1.0,
+            "l2": 1e-4,
+            "skip_nonfinite": True,
+            "skip_gradient_norm_ratio_above": 10.0,
+        },
+        {},
+    ),
     "keras_hand_regularized": (HandRegularizedModel, {}, {}),
     "regularization": (RegularizedModel, {"l2": 1e-4}, {}),
     "stacked": (StackedModel, {"global_clipnorm": 1.0, "l2": 1e-4}, {}),

@@ -25,6 +25,7 @@ CONFIGURATIONS = (
     "TrainStepMixin",
     "clipping",
     "clipping_inspection",
+    "clipping_inspection_skip",
     "clipping_inspection_guard",
     "hand_written",
 )
@@ -57,6 +58,10 @@ def run_child(name):
         "TrainStepMixin": (StepOnly, {}),
         "clipping": (Clipped, {"global_clipnorm": 1.0}),
         "clipping_inspection": (ClippedInspected, {"global_clipnorm": 1.0}),
+        "clipping_inspection_skip": (
+            ClippedInspected,
+            {"global_clipnorm": 1.0, "skip_nonfinite": True},
+        ),
         "clipping_inspection_guard": (
             ClippedInspected,
             {

@@ -148,6 +148,15 @@ class StackedModel(
     regularization_losses = RegularizedModel.regularization_losses
 
 
+class GuardedModel(
+    custom_fit.GradientClippingMixin,
+    custom_fit.GradientInspectionMixin,
+    custom_fit.RegularizationMixin,
+    keras.Model,
+):
+    """Clipping, inspection, regularization (L2 only) and the guard."""
+
+
 class PCGradModel(custom_fit.PCGradMixin, keras.Model):
     """PCGradMixin: one backward pass per head, projected."""
 
@@ -196,10 +205,16 @@ FIT_CONFIGURATIONS = {
         {"global_clipnorm": 1.0, "inspect_every": 1},
         {},
     ),
+    # Clipping and inspection with the non-finite guard.
+    "clipping_inspection_skip": (
+        ClippingInspectionModel,
+        {"global_clipnorm": 1.0, "inspect_every": 1, "skip_nonfinite": True},
+        {},
+    ),
     # The stack of issue 24's table: clipping, inspection, the guard with a
     # spike rule, L2.
     "guarded_stack": (
-        StackedModel,
+        GuardedModel,
         {
             "global_clipnorm": 1.0,
             "l2": 1e-4,

@@ -27,11 +27,14 @@ its own) for the duration of one update (`open_book`).
 """
 
 import contextlib
+import functools
+from collections.abc import Callable
 from collections.abc import Hashable
 from collections.abc import Iterator
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 from keras import ops
 
 from custom_fit import _gradient_ops
@@ -46,21 +49,29 @@ class Figures:
 
     Args:
         gradients: List of tensors, sparse gradients or `None`.
-        squares: Optional float32 vector of the sums of squares of the
-            non-`None` gradients, in order, when already known.
-        finite: Optional boolean scalar tensor: whether they are finite,
-            when already known.
+        squares: Optional callable returning the float32 vector of the sums
+            of squares of the non-`None` gradients, in order, when they
+            derive from known figures (called when first read).
+        finite: Optional callable returning whether they are finite (a
+            boolean scalar tensor), likewise.
+        norm: Optional callable returning their global norm, likewise.
     """
 
     def __init__(
         self,
         gradients: Sequence[Gradient],
-        squares: Tensor | None = None,
-        finite: Tensor | None = None,
+        squares: Callable[[], Tensor] | None = None,
+        finite: Callable[[], Tensor] | None = None,
+        norm: Callable[[], Tensor] | None = None,
     ) -> None:
         self.gradients = list(gradients)
-        self._squares = squares
-        self._finite = finite
+        # Computed when first read, from these when given (derived figures).
+        self._squares: Tensor | None = None
+        self._finite: Tensor | None = None
+        self._norm: Tensor | None = None
+        self._derive_squares = squares
+        self._derive_finite = finite
+        self._derive_norm = norm
 
     @property
     def present(self) -> list[Any]:
@@ -70,6 +81,8 @@ class Figures:
     @property
     def squares(self) -> Tensor:
         """Float32 vector: the sum of squares of each non-`None` gradient."""
+        if self._squares is None and self._derive_squares is not None:
+            self._squares = self._derive_squares()
         if self._squares is None:
             present = [_gradient_ops.deduplicate(g) for g in self.present]
             if not present:
@@ -86,18 +99,27 @@ class Figures:
     @property
     def norm(self) -> Tensor:
         """Float32 scalar: the global L2 norm."""
-        return ops.sqrt(self.total)
+        if self._norm is None:
+            if self._derive_norm is not None:
+                self._norm = self._derive_norm()
+            else:
+                self._norm = ops.sqrt(self.total)
+        return self._norm
 
     @property
     def finite(self) -> Tensor:
         """Boolean scalar: whether every entry is finite (exactly)."""
+        if self._finite is None and self._derive_finite is not None:
+            self._finite = self._derive_finite()
         if self._finite is None:
             present = self.present
             if not present:
                 self._finite = ops.convert_to_tensor(True)
             else:
-                self._finite = ops.logical_or(
-                    ops.isfinite(self.total), _entries_finite(present)
+                self._finite = ops.cond(
+                    ops.isfinite(self.total),
+                    lambda: ops.convert_to_tensor(True),
+                    lambda: _entries_finite(present),
                 )
         return self._finite
 
@@ -105,6 +127,10 @@ class Figures:
         self, groups: Sequence[Hashable], order: Sequence[Hashable]
     ) -> Tensor:
         """Returns the sum of squares of each group, in `order`.
+
+        One segment sum (not a product with a 0/1 matrix, whose zeros
+        would turn one infinite square into NaN for every group): one op,
+        where a sum per group would be two per group on an eager backend.
 
         Args:
             groups: List aligned with the gradients (`None` included): the
@@ -114,24 +140,10 @@ class Figures:
         Returns:
             A float32 vector of `len(order)` sums (0 for an empty group).
         """
-        positions: dict[Hashable, list[int]] = {key: [] for key in order}
-        index = 0
-        for gradient, key in zip(self.gradients, groups):
-            if gradient is None:
-                continue
-            if key in positions:
-                positions[key].append(index)
-            index += 1
-        squares = self.squares
-        sums = []
-        for members in positions.values():
-            if not members:
-                sums.append(ops.zeros((), "float32"))
-            elif len(members) == 1:
-                sums.append(squares[members[0]])
-            else:
-                sums.append(ops.sum(ops.take(squares, members)))
-        return ops.stack(sums)
+        keys = [key for g, key in zip(self.gradients, groups) if g is not None]
+        segments = _segments(tuple(order), tuple(keys))
+        sums = ops.segment_sum(self.squares, segments, len(order) + 1)
+        return sums[: len(order)]
 
     def scaled(
         self, gradients: Sequence[Gradient], factor: Tensor
@@ -142,16 +154,28 @@ class Figures:
             gradients: The scaled list (`None` where this one has `None`).
             factor: Float32 scalar tensor, the common factor.
 
+        The derived figures are computed when first read.
+
         Returns:
             `Figures` whose squares are these times `factor ** 2` and which
             are finite when these and the factor are.
         """
-        factor = ops.cast(factor, "float32")
         return Figures(
             gradients,
-            squares=self.squares * ops.square(factor),
-            finite=ops.logical_and(self.finite, ops.isfinite(factor)),
+            # Derived when read (no consumer may ask: clipping alone).
+            squares=lambda: self.squares * ops.square(factor),
+            finite=lambda: ops.logical_and(self.finite, ops.isfinite(factor)),
+            norm=lambda: self.norm * ops.abs(factor),
         )
+
+
+@functools.lru_cache(maxsize=64)
+def _segments(
+    order: tuple[Hashable, ...], keys: tuple[Hashable, ...]
+) -> np.ndarray:
+    """The group index of each gradient (`len(order)` for none)."""
+    row = {key: index for index, key in enumerate(order)}
+    return np.asarray([row.get(key, len(order)) for key in keys], "int32")
 
 
 def _entries_finite(gradients: Sequence[Any]) -> Tensor:

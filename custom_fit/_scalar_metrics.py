@@ -23,13 +23,16 @@ from custom_fit._types import Scalar
 from custom_fit._types import Tensor
 
 
-def _metric_variable(name: str) -> Any:
-    """Returns a float32 scalar accumulator, summed across replicas."""
-    return _state.state_variable((), "float32", name, summed=True)
+def _metric_variable(name: str, shape: tuple[int, ...] = ()) -> Any:
+    """Returns a float32 accumulator, summed across replicas."""
+    return _state.state_variable(shape, "float32", name, summed=True)
 
 
 class ScalarMean(keras.metrics.Metric):
     """Weighted running mean of scalar values.
+
+    The total and the weight are one vector variable `(total, count)`:
+    one update and, in a pure (JAX) step, one state array per metric.
 
     Args:
         name: String. The metric's name (its log key).
@@ -37,8 +40,7 @@ class ScalarMean(keras.metrics.Metric):
 
     def __init__(self, name: str) -> None:
         super().__init__(name=name, dtype="float32")
-        self.total = _metric_variable("total")
-        self.count = _metric_variable("count")
+        self.totals = _metric_variable("totals", (2,))
 
     def update_state(self, value: Tensor, sample_weight: Scalar = None) -> None:
         """Adds `value` with weight `sample_weight` (1 when `None`).
@@ -48,26 +50,23 @@ class ScalarMean(keras.metrics.Metric):
             sample_weight: Optional scalar weight.
         """
         if sample_weight is None:
-            self.total.assign_add(value)
-            self.count.assign_add(ops.ones((), "float32"))
+            backend.current().add_to(self.totals, [value, 1.0])
             return
         weight = ops.cast(sample_weight, "float32")
-        self.total.assign_add(value * weight)
-        self.count.assign_add(weight)
+        backend.current().add_to(self.totals, [value * weight, weight])
 
     def state_variables(self) -> list[Any]:
         """Returns the variables that hold the metric's state."""
-        return [self.total, self.count]
+        return [self.totals]
 
     def result(self) -> Tensor:
         """Returns the weighted mean since the last reset (0 if empty)."""
-        read = backend.current().read
-        return ops.divide_no_nan(read(self.total), read(self.count))
+        totals = backend.current().read(self.totals)
+        return ops.divide_no_nan(totals[0], totals[1])
 
     def reset_state(self) -> None:
         """Sets the total and the count to 0."""
-        self.total.assign(ops.zeros((), "float32"))
-        self.count.assign(ops.zeros((), "float32"))
+        self.totals.assign(ops.zeros((2,), "float32"))
 
 
 class ScalarLast(keras.metrics.Metric):
@@ -131,7 +130,7 @@ class ScalarSum(keras.metrics.Metric):
         """
         if sample_weight is not None:
             value = value * ops.cast(sample_weight, "float32")
-        self.total.assign_add(value)
+        backend.current().add_to(self.total, [value])
 
     def state_variables(self) -> list[Any]:
         """Returns the variable that holds the metric's state."""

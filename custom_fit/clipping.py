@@ -20,6 +20,7 @@ gradient. Norms are accumulated in float32.
 from collections.abc import Hashable
 from collections.abc import Sequence
 
+import numpy as np
 from keras import ops
 
 from custom_fit import _gradient_ops
@@ -112,14 +113,21 @@ def _scale(gradient: Gradient, factor: Tensor) -> Gradient:
     )
 
 
+# The smallest normal float32: a floor of the divisor of `_clip_factor`.
+_TINY = float(np.finfo(np.float32).tiny)
+
+
 def _clip_factor(norm: Tensor, max_norm: float) -> Tensor:
     """Returns `max_norm / norm` above the bound, else 1 (also at norm 0).
 
-    The division is only taken where `norm > max_norm > 0`, so a zero norm
-    (all-zero sample weights) or a tiny bound never gives 0/0.
+    `max_norm / max(norm, max_norm, tiny)`: the divisor is never zero, so a
+    zero norm (all-zero sample weights) or a bound that is 0 in float32
+    never gives 0/0. Two ops for a float bound: on an eager backend each op
+    is a dispatch.
     """
-    safe_norm = ops.maximum(norm, max_norm)
-    return ops.where(norm > max_norm, max_norm / safe_norm, ops.ones_like(norm))
+    if isinstance(max_norm, (int, float)):
+        return max_norm / ops.maximum(norm, max(float(max_norm), _TINY))
+    return max_norm / ops.maximum(ops.maximum(norm, max_norm), _TINY)
 
 
 def global_clip_factor(norm: Tensor, global_clipnorm: float) -> Tensor:
@@ -168,6 +176,25 @@ def clip_by_norm(gradients: Sequence[Gradient], clipnorm: float) -> Gradients:
     return clipped
 
 
+def globally_clipped(
+    gradients: Sequence[Gradient], global_clipnorm: float, norm: Tensor
+) -> tuple[Gradients, Tensor]:
+    """`clip_by_global_norm` with the norm given; also returns the factor.
+
+    Args:
+        gradients: List of tensors, `tf.IndexedSlices` or `None`.
+        global_clipnorm: Positive float. The largest global L2 norm.
+        norm: Float32 scalar tensor: the gradients' global norm.
+
+    Returns:
+        A pair: the clipped gradients, and the factor every gradient was
+        multiplied by (`global_clip_factor`).
+    """
+    factor = global_clip_factor(norm, global_clipnorm)
+    gradients = [_gradient_ops.deduplicate(g) for g in gradients]
+    return _gradient_ops.scale_all(gradients, factor), factor
+
+
 def clip_by_global_norm(
     gradients: Sequence[Gradient],
     global_clipnorm: float,
@@ -198,11 +225,9 @@ def clip_by_global_norm(
     [0.6, 0.8]
     ```
     """
-    gradients = [_gradient_ops.deduplicate(g) for g in gradients]
     if norm is None:
-        norm = global_norm(gradients)
-    factor = global_clip_factor(norm, global_clipnorm)
-    return _gradient_ops.scale_all(gradients, factor)
+        norm = global_norm([_gradient_ops.deduplicate(g) for g in gradients])
+    return globally_clipped(gradients, global_clipnorm, norm)[0]
 
 
 def clip_by_group_norm(

@@ -206,10 +206,9 @@ class GradientClippingMixin(TrainStepMixin):
         the factor and registered for inspection and the guard.
         """
         figures = _figures.of(self, gradients)
-        clipped = clipping.clip_by_global_norm(
-            gradients, global_clipnorm, norm=figures.norm
+        clipped, factor = clipping.globally_clipped(
+            gradients, global_clipnorm, figures.norm
         )
-        factor = clipping.global_clip_factor(figures.norm, global_clipnorm)
         _figures.register(self, figures.scaled(clipped, factor))
         return clipped
 

@@ -200,11 +200,9 @@ class GradientInspectionMixin(TrainStepMixin):
         # Every variable belongs to one layer: the update's figures (one
         # pass over the gradients, shared) give the layers' norms and the
         # global norm.
-        squares = _figures.of(self, gradients).group_squares(
-            owners, state.layers
-        )
-        layer_norms = ops.sqrt(squares)
-        global_norm = ops.sqrt(ops.sum(squares))
+        figures = _figures.of(self, gradients)
+        layer_norms = ops.sqrt(figures.group_squares(owners, state.layers))
+        global_norm = figures.norm
         self._report("grad_norm", global_norm)
         # The step's own figure, for batch-level callbacks (spikes).
         # Not held: a skipped step's own figure (NaN) is what it shows.

@@ -177,6 +177,15 @@ class Adapter(Protocol):
         """
         ...
 
+    def add_to(self, variable: Any, values: Sequence[Any]) -> None:
+        """Adds scalar `values` to a float32 variable's entries, in order.
+
+        A vector of `len(values)` entries, or a scalar with one value; in
+        one update (on an eager backend, in place, without a dispatch per
+        value).
+        """
+        ...
+
     # custom_fit's own state.
 
     def state_variable(

@@ -48,6 +48,15 @@ def divisible_first_axis(tensor: Any, count: int, message: str) -> Any:
     return tensor
 
 
+def add_to(variable: Any, values: Sequence[Any]) -> None:
+    """Adds scalar `values` to the variable's entries, in one `assign_add`."""
+    if len(variable.shape) == 0:
+        (value,) = values
+        variable.assign_add(value)
+        return
+    variable.assign_add(ops.stack([ops.cast(v, "float32") for v in values]))
+
+
 # Replicas: one, whose gradients are the global batch's already.
 
 

@@ -46,6 +46,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 from keras import ops
 
+from custom_fit.backend._dense import add_to  # noqa: F401
 from custom_fit.backend._dense import all_reduce_sum  # noqa: F401
 from custom_fit.backend._dense import build_batch  # noqa: F401
 from custom_fit.backend._dense import check_compile  # noqa: F401
@@ -464,11 +465,16 @@ def host_value(model: Any, variable: Any) -> np.ndarray:
 
 
 def snapshot(model: Any, variable: Any) -> Any:
-    """Returns a copy of the variable's latest array, computed or not yet.
+    """Returns the variable's latest array, computed or not yet.
 
-    A copy (queued, asynchronous): the next call donates the state's
-    buffers to the step.
+    Not the state's own buffer, which the next call donates to the step:
+    for a scalar, the copy the step returned beside its state; else a copy
+    (queued, asynchronous).
     """
+    latest = _LATEST.get(model)
+    found = None if latest is None else latest.scalars.get(id(variable))
+    if found is not None:
+        return found
     return jax.numpy.copy(_latest_value(model, variable))
 
 
@@ -550,9 +556,19 @@ class _Latest:
     last group) of the model's latest call of a train or test function.
     """
 
-    def __init__(self, layout: _Layout, state: tuple) -> None:
+    def __init__(
+        self, layout: _Layout, state: tuple, scalars: list[Any]
+    ) -> None:
         self.layout = layout
         self.state = state
+        own = state[-1]
+        scalar_values = iter(scalars)
+        # The undonated copies of the scalars of custom_fit's state.
+        self.scalars = {
+            id(variable): next(scalar_values)
+            for variable, value in zip(layout.groups[-1], own)
+            if not getattr(value, "shape", ())
+        }
 
     def write(self) -> None:
         """Assigns every variable its value in the state."""
@@ -642,7 +658,7 @@ class _StepFunction:
 
     def _stateless(
         self, state: tuple, own: list[Any], data: Any, extras: list[Any]
-    ) -> tuple[Any, tuple, list[Any]]:
+    ) -> tuple[Any, tuple, list[Any], list[Any]]:
         groups = self.groups()
         own_variables = self.own_variables()
         mapping = {
@@ -675,7 +691,15 @@ class _StepFunction:
             for variables in groups
         )
         new_own = [scope.state_mapping[id(v)] for v in own_variables]
-        return logs, new_state, new_own
+        # The scalars of custom_fit's state once more, in buffers the next
+        # call does not take over (it donates the state): the host reads
+        # them a call later (`snapshot`) without a copy of its own.
+        scalars = [
+            ops.copy(value)
+            for value in new_own
+            if not getattr(value, "shape", ())
+        ]
+        return logs, new_state, new_own, scalars
 
     def discover(self, state: tuple, data: Any) -> tuple:
         """Runs the step once eagerly, discarding its updates.
@@ -715,7 +739,7 @@ class _StepFunction:
         return jax.jit(
             self._stateless,
             donate_argnums=(0, 1),
-            out_shardings=(None, *self.shardings),
+            out_shardings=(None, *self.shardings, None),
         )
 
     def own_values(self, own_variables: list[Any]) -> list[Any]:
@@ -740,18 +764,18 @@ class _StepFunction:
             if self.shardings is not None:
                 # As the step will return it, so that it compiles once.
                 state, own = jax.device_put((state, own), self.shardings)
-        logs, state, own = self.step(state, own, data, extras)
+        logs, state, own, scalars = self.step(state, own, data, extras)
         for _ in range(self.model.steps_per_execution - 1):
             try:
                 data = next(iterator)
             except StopIteration:
                 break
-            logs, state, own = self.step(state, own, data, extras)
+            logs, state, own, scalars = self.step(state, own, data, extras)
         layout = self._layout
         sizes = [*(len(g) for g in state), len(own)]
         if layout is None or layout.sizes != sizes:
             layout = self._layout = _Layout([*self.groups(), own_variables])
-        _LATEST[self.model] = _Latest(layout, (*state, own))
+        _LATEST[self.model] = _Latest(layout, (*state, own), scalars)
         return logs, state
 
 

@@ -531,6 +531,15 @@ def scaled(gradients: Sequence[Any], factor: Any) -> list[Any]:
     ]
 
 
+def add_to(variable: Any, values: Sequence[Any]) -> None:
+    """Adds scalar `values` to the variable's entries, in one `assign_add`."""
+    if len(variable.shape) == 0:
+        (value,) = values
+        variable.assign_add(value)
+        return
+    variable.assign_add(tf.stack([tf.cast(v, tf.float32) for v in values]))
+
+
 def _values(gradient: Any) -> Any:
     """The tensor that holds the numbers of a gradient."""
     return (

@@ -121,6 +121,28 @@ def values_and_grads(
     return values, aux, gradients
 
 
+def add_to(variable: Any, values: Sequence[Any]) -> None:
+    """Adds scalar `values` to the variable's tensor, in place.
+
+    One `add_` (the values stacked with `torch.stack`), where `assign_add`
+    of Keras would convert, cast and dispatch several ops.
+    """
+    target = _parameter(variable)
+    with torch.no_grad():
+        if target.dim() == 0:
+            (value,) = values
+            target.add_(torch.as_tensor(value, dtype=target.dtype))
+            return
+        target.add_(
+            torch.stack(
+                [
+                    torch.as_tensor(v, dtype=target.dtype, device=target.device)
+                    for v in values
+                ]
+            )
+        )
+
+
 def squared_sums(gradients: Sequence[Any]) -> Any:
     """Returns each gradient's float32 sum of squares, as one vector.
 

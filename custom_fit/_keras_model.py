@@ -10,9 +10,12 @@ keywords). The step itself, its hooks and `minimize` are in
 `train_step_mixin.py`.
 """
 
+import contextlib
 import inspect
+import threading
 import warnings
 from collections.abc import Callable
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 from typing import Any
 from typing import TypeVar
@@ -188,12 +191,29 @@ class KerasModel(_ModelBase):
             ValueError: If a reported metric has the name of one of the
                 metrics Keras logs (it would replace it).
         """
+        if getattr(_LOGS_DEFERRED, "model", None) is self:
+            return {}
         return _step_metrics.step_logs(
             self,
             self._keras_metrics(),
             self._registries(),
             tracks_loss=getattr(self, "loss", None) is not None,
         )
+
+    @contextlib.contextmanager
+    def _logs_deferred(self) -> Iterator[None]:
+        """Makes `get_metrics_result` return `{}` inside the block.
+
+        A guarded step takes its logs after the verdict; those Keras'
+        `compute_metrics` returns before it would be computed for nothing
+        (on an eager backend, every metric's result, at every step).
+        """
+        outer = getattr(_LOGS_DEFERRED, "model", None)
+        _LOGS_DEFERRED.model = self
+        try:
+            yield
+        finally:
+            _LOGS_DEFERRED.model = outer
 
     def _registries(self) -> list[_step_metrics.StepMetrics]:
         """The `report_metric` registries of this model and its networks."""
@@ -354,6 +374,9 @@ class KerasModel(_ModelBase):
             model._configure_options(options)
         return model
 
+
+# The model whose step defers its logs, per thread (`_logs_deferred`).
+_LOGS_DEFERRED = threading.local()
 
 # The signature of Keras' `fit`, `self` included.
 KERAS_FIT = inspect.signature(keras.Model.fit)

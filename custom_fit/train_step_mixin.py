@@ -736,14 +736,15 @@ class TrainStepMixin(
         )
         # Whether the batch counts in the epoch's figures: its own
         # gradients are finite (with accumulation), or the update is applied.
-        counted = guard.batch_is_finite(gradients)
+        accumulating = self.gradient_accumulation_steps not in (None, 1)
+        counted = guard.batch_is_finite(gradients) if accumulating else None
         # Past the consecutive-skip limit (read by the host one call late)
         # a step changes nothing at all, accumulation included.
         frozen = guard.past_limit()
         if frozen is not None and counted is not None:
             counted = ops.logical_and(counted, ops.logical_not(frozen))
         is_update = None
-        if self.gradient_accumulation_steps not in (None, 1):
+        if accumulating:
             accumulator = self._accumulator(variables)
             gradients, is_update = accumulator.accumulate(
                 gradients, frozen=frozen
@@ -938,11 +939,17 @@ class TrainStepMixin(
         """
         _keras_compat.track_loss(self, loss, x)
         self._note_loss_tracked()
-        logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-        if before is not None:
-            _model_state.state_of(self).guard.undo_if_skipped(before, counted)
-            logs = self.get_metrics_result()
-        return backend.current().reducible_logs(self, logs)
+        if before is None:
+            logs = self.compute_metrics(
+                x, y, y_pred, sample_weight=sample_weight
+            )
+            return backend.current().reducible_logs(self, logs)
+        # The logs are those after the guard's verdict: the ones
+        # `compute_metrics` would compute before it are not made.
+        with self._logs_deferred():
+            self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        _model_state.state_of(self).guard.undo_if_skipped(before, counted)
+        return backend.current().reducible_logs(self, self.get_metrics_result())
 
     def test_step(self, data: Any) -> Logs:
         """Runs one evaluation step: forward pass, loss, metrics.

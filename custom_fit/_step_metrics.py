@@ -119,15 +119,17 @@ class StepMetrics:
         kept = getattr(self._held, "before", None)
         counted = getattr(self._held, "counted", None)
         if held and counted is not None:
-            # The verdict is known: undo this update at once if the step
-            # does not count. Nothing read here leaves the scope of the
-            # report (a report inside a conditional branch stays there).
-            read = backend.current().read
-            before = [read(v) for v in metric.state_variables()]
-            metric.update_state(value, sample_weight=sample_weight)
-            backend.current().restore_if(
-                ops.logical_not(counted), metric.state_variables(), before
-            )
+            # The verdict is known: the update counts with weight 0 when
+            # the step does not (a mean and a sum add nothing, a last value
+            # keeps the previous one), the value zeroed first, since a
+            # skipped step's value may be NaN. Nothing is read or written
+            # back: the update stays where it is made (in a conditional
+            # branch too).
+            weight = ops.cast(counted, "float32")
+            if sample_weight is not None:
+                weight = weight * ops.cast(sample_weight, "float32")
+            value = ops.where(counted, value, ops.zeros_like(value))
+            metric.update_state(value, sample_weight=weight)
         else:
             if held and kept is not None and key not in kept:
                 # First report in a guarded step: keep the metric's state.

@@ -720,7 +720,16 @@ class _StepFunction:
         return logs, new_state, new_own, scalars
 
     def discover(self, state: tuple, data: Any) -> tuple:
-        """Runs the step once eagerly, discarding its updates.
+        """Traces the step once abstractly, to make the state it makes.
+
+        The step makes some of its state when first run (the metrics of
+        `report_metric`, inspection's figures, accumulation's sums, an
+        optimizer built at its first update): it is traced once with
+        `jax.eval_shape` (shapes only: no op runs, nothing is compiled), in
+        a scope of the current values. Variables made there are
+        initialized when the scope closes, outside the trace, with their
+        initializers' concrete values; the updates the trace computed are
+        dropped.
 
         Returns:
             The state, extended by the state the step made.
@@ -734,7 +743,7 @@ class _StepFunction:
         for variable in [*self.extra_variables(), *self.own_variables()]:
             values.setdefault(id(variable), variable.value)
         with _entered(_Scope(values, collect_losses=True)):
-            self._run(data)
+            jax.eval_shape(self._run, data)
         self.discovered = True
         return tuple(
             [values.get(id(v), None) if id(v) in values else v.value for v in g]

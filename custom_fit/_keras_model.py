@@ -193,11 +193,22 @@ class KerasModel(_ModelBase):
         """
         if getattr(_LOGS_DEFERRED, "model", None) is self:
             return {}
-        return _step_metrics.step_logs(
-            self,
-            self._keras_metrics(),
-            self._registries(),
-            tracks_loss=getattr(self, "loss", None) is not None,
+        keras_metrics = self._keras_metrics()
+        registries = self._registries()
+        variables = [
+            variable
+            for metric in keras_metrics + _step_metrics.reported(registries)
+            for variable in metric.variables
+        ]
+        # Over several processes (PyTorch), the logs of the global batch.
+        return backend.current().summed_results(
+            variables,
+            lambda: _step_metrics.step_logs(
+                self,
+                keras_metrics,
+                registries,
+                tracks_loss=getattr(self, "loss", None) is not None,
+            ),
         )
 
     @contextlib.contextmanager
@@ -229,7 +240,9 @@ class KerasModel(_ModelBase):
         `max_consecutive_skipped_steps`: a `fit` stopped by the limit does
         not stop the next one. The epoch's logs (History, callbacks) leave
         out the figures of one step (`grad_norm_step`), and the progress
-        bar shows the logs `progress_bar_logs` selects.
+        bar shows the logs `progress_bar_logs` selects. On PyTorch, a
+        `DataLoader` whose sampler has `set_epoch` (a
+        `DistributedSampler`) is told each epoch's index before the epoch.
 
         Returns:
             A `History` object, as `keras.Model.fit` returns.
@@ -243,7 +256,9 @@ class KerasModel(_ModelBase):
         callbacks = arguments.get("callbacks")
         if not isinstance(callbacks, keras.callbacks.CallbackList):
             arguments["callbacks"] = self._fit_callbacks(
-                list(callbacks or []), arguments.get("verbose", "auto")
+                list(callbacks or [])
+                + backend.current().data_callbacks(arguments.get("x")),
+                arguments.get("verbose", "auto"),
             )
         history = super().fit(**arguments)
         # The streak of skipped steps of the last call, read one call late.

@@ -18,6 +18,7 @@ import keras
 import numpy as np
 
 from custom_fit import _validation
+from custom_fit import backend
 from custom_fit import privacy
 from custom_fit._types import Logs
 
@@ -205,6 +206,8 @@ class GradientTensorBoard(keras.callbacks.Callback):
     built with `keep_gradients=True`). Events go to `<log_dir>/train`, next
     to what `keras.callbacks.TensorBoard` writes there; the writer is
     created at the first write, so a run that logs nothing leaves no file.
+    Over several `torch.distributed` processes only the first writes (the
+    figures are the same in all).
 
     Args:
         log_dir: String or `os.PathLike`. The TensorBoard log directory.
@@ -299,7 +302,8 @@ class GradientTensorBoard(keras.callbacks.Callback):
         """Writes the per-layer figures of a newly inspected step, if any."""
         import tensorflow as tf
 
-        if not _new_figures(self):
+        if not _new_figures(self) or backend.current().process_index() != 0:
+            # Over several PyTorch processes, one writes (all hold the same).
             return
         if self._writer is None:
             self._writer = tf.summary.create_file_writer(

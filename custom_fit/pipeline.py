@@ -152,13 +152,14 @@ def true_gradients(
     Returns:
         A list aligned with `variables`, equal to the gradient of the
         unscaled loss on one device with the global batch: loss scale
-        divided out and, under `tf.distribute`, summed across replicas, so
-        every replica holds the same values.
+        divided out and, under `tf.distribute`, summed across replicas
+        (over `torch.distributed` processes, their mean weighted by each
+        process' batch size), so every replica holds the same values.
     """
     scale = loss_scale(optimizer)
     if scale is not None:
         gradients = _multiply(gradients, variables, 1.0 / scale)
-    summed = all_reduce_sum(gradients)
+    summed = backend.current().batch_gradients(gradients)
     replicas = replica_count()
     if replicas == 1:
         return summed

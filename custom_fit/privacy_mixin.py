@@ -110,6 +110,42 @@ def _training_run(
     )
 
 
+def _across_processes(run: privacy.TrainingRun) -> privacy.TrainingRun:
+    """The global run of this process' `run`, over several processes.
+
+    Over `torch.distributed` processes each fits its own shard: shuffled
+    arrays are accounted as the global batch (the local batch times the
+    processes) over all the shards' examples. A `PoissonSampler` draws
+    from one process' data, so that the union of the processes' batches
+    would not be the one Poisson draw the accountant assumes: refused.
+
+    Raises:
+        ValueError: For Poisson batches over several processes.
+    """
+    processes = backend.current().process_count()
+    if processes == 1 or run.sampling is None:
+        return run
+    if run.sampling == "poisson":
+        raise ValueError(
+            "Poisson-sampled batches cannot be accounted over several "
+            "processes yet: each process' sampler draws from its own data, "
+            "and the processes' batches together are not the single Poisson "
+            "draw the accountant assumes. Received: "
+            f"{run.described} in each of {processes} torch.distributed "
+            "processes. Train privately with Poisson batches in one "
+            "process, or feed each process its shard as arrays (shuffled "
+            "batches, accounted as such)."
+        )
+    examples = backend.current().summed_count(float(run.num_examples or 0))
+    return privacy.TrainingRun(
+        run.sampling,
+        None if run.batch_size is None else run.batch_size * processes,
+        int(round(float(examples))),
+        run.steps,
+        f"{run.described} in each of {processes} processes",
+    )
+
+
 def _is_arrays(x: Any) -> bool:
     """Returns whether `x` is an array or a structure of arrays.
 
@@ -338,7 +374,7 @@ class DifferentialPrivacyMixin(TrainStepMixin):
         """
         arguments = _keras_model.KERAS_FIT.bind(self, *args, **kwargs).arguments
         accumulation = self.gradient_accumulation_steps or 1
-        run = _training_run(arguments, accumulation)
+        run = _across_processes(_training_run(arguments, accumulation))
         warning = privacy.check_run(
             self.noise_multiplier,
             self.expected_batch_size,
@@ -545,16 +581,20 @@ class DifferentialPrivacyMixin(TrainStepMixin):
         )
         included = ops.ones_like(norms) if mask is None else mask
         included = ops.cast(included, "float32")
-        self._report(
-            "dp_clipped_fraction",
-            ops.sum(ops.cast(changed, "float32") * included)
-            / ops.maximum(ops.sum(included), 1.0),
+        # The global batch's share: both counts summed over replicas.
+        clipped, total = pipeline.all_reduce_sum(
+            [
+                ops.sum(ops.cast(changed, "float32") * included),
+                ops.sum(included),
+            ]
         )
-        replicas = pipeline.replica_count()
+        self._report("dp_clipped_fraction", clipped / ops.maximum(total, 1.0))
+        # The global batch's count: this replica's, summed over replicas.
+        summed_count = backend.current().summed_count
         if microbatches is None:
-            count: Any = _keras_compat.batch_size(x, "float32") * replicas
+            count: Any = summed_count(_keras_compat.batch_size(x, "float32"))
         else:
-            count = float(microbatches * replicas)
+            count = summed_count(float(microbatches))
         _model_state.state_of(self).local.dp_microbatches = count
 
     def _clipped_variables(self) -> list[Variable]:

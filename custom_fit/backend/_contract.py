@@ -132,6 +132,47 @@ class Adapter(Protocol):
         """Sums gradients across replicas (`None` stays `None`)."""
         ...
 
+    def batch_gradients(self, gradients: Sequence[Any]) -> list[Any]:
+        """The global batch's gradients from this replica's.
+
+        Each replica's gradients are those of its loss as Keras computes
+        it: divided by the replica count under `tf.distribute` (summed
+        here), a mean over its own examples over `torch.distributed`
+        processes (a mean weighted by batch sizes). `None` stays `None`.
+        """
+        ...
+
+    def summed_count(self, count: Any) -> Any:
+        """The global batch's count from this replica's `count`."""
+        ...
+
+    def summed_results(
+        self, variables: Sequence[Any], compute: Callable[[], Any]
+    ) -> Any:
+        """`compute()` on the global values of metric `variables`.
+
+        Where each process holds its own metric states (PyTorch), they are
+        summed over the processes while `compute` runs.
+        """
+        ...
+
+    def process_count(self) -> int:
+        """The processes that each fit their own shard of the data.
+
+        More than 1 only over `torch.distributed` processes; elsewhere 1
+        (`tf.distribute` shards the global data itself; JAX's processes
+        under `keras.distribution` are not counted yet).
+        """
+        ...
+
+    def process_index(self) -> int:
+        """This process' index among `process_count()` (0 for one)."""
+        ...
+
+    def data_callbacks(self, x: Any) -> list[Any]:
+        """Callbacks `fit` adds for its data `x` (a sampler's epoch)."""
+        ...
+
     def on_first_replica(self, value: Any) -> Any:
         """`value` on the first replica, 0 on the others."""
         ...

@@ -70,6 +70,38 @@ def all_reduce_sum(gradients: Sequence[Any]) -> list[Any]:
     return list(gradients)
 
 
+def batch_gradients(gradients: Sequence[Any]) -> list[Any]:
+    """Returns the gradients: they are the global batch's already."""
+    return list(gradients)
+
+
+def summed_count(count: Any) -> Any:
+    """Returns `count`: the step sees the global batch."""
+    return count
+
+
+def summed_results(variables: Sequence[Any], compute: Callable[[], Any]) -> Any:
+    """Returns `compute()`: the metric states are the global batch's."""
+    del variables
+    return compute()
+
+
+def process_count() -> int:
+    """Returns 1: `fit`'s data in each process is the global data."""
+    return 1
+
+
+def process_index() -> int:
+    """Returns 0: see `process_count`."""
+    return 0
+
+
+def data_callbacks(x: Any) -> list[Any]:
+    """Returns no callback: the data needs none."""
+    del x
+    return []
+
+
 def on_first_replica(value: Any) -> Any:
     """Returns `value`: there is one replica."""
     return value

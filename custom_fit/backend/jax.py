@@ -48,9 +48,11 @@ from keras import ops
 
 from custom_fit.backend._dense import add_to  # noqa: F401
 from custom_fit.backend._dense import all_reduce_sum  # noqa: F401
+from custom_fit.backend._dense import batch_gradients  # noqa: F401
 from custom_fit.backend._dense import build_batch  # noqa: F401
 from custom_fit.backend._dense import check_compile  # noqa: F401
 from custom_fit.backend._dense import check_recorded_loss  # noqa: F401
+from custom_fit.backend._dense import data_callbacks  # noqa: F401
 from custom_fit.backend._dense import deduplicate  # noqa: F401
 from custom_fit.backend._dense import dense  # noqa: F401
 from custom_fit.backend._dense import dense_size  # noqa: F401
@@ -59,11 +61,15 @@ from custom_fit.backend._dense import is_sparse  # noqa: F401
 from custom_fit.backend._dense import map_values  # noqa: F401
 from custom_fit.backend._dense import normal  # noqa: F401
 from custom_fit.backend._dense import on_first_replica  # noqa: F401
+from custom_fit.backend._dense import process_count  # noqa: F401
+from custom_fit.backend._dense import process_index  # noqa: F401
 from custom_fit.backend._dense import recorded_gradients  # noqa: F401
 from custom_fit.backend._dense import reducible_logs  # noqa: F401
 from custom_fit.backend._dense import replica_count  # noqa: F401
 from custom_fit.backend._dense import scaled  # noqa: F401
 from custom_fit.backend._dense import squared_sums  # noqa: F401
+from custom_fit.backend._dense import summed_count  # noqa: F401
+from custom_fit.backend._dense import summed_results  # noqa: F401
 
 _LOCAL = threading.local()
 
@@ -320,12 +326,15 @@ def run_if(
     variable would compute them always and then pick (measured on the
     seed MLP: the guard's update, 19 selections, cost 0.1 ms of 0.8 per
     step). The function is traced once beforehand, to learn which
-    variables it updates (that pass is dead code to XLA). Outside a step
-    (eagerly), `function` runs only when `condition` is true.
+    variables it updates (that pass is dead code to XLA). With a concrete
+    condition (outside a step, or a step run eagerly) `function` runs only
+    when `condition` is true.
     """
     del synchronized
     parent = _current()
-    if parent is None:
+    if parent is None or not isinstance(condition, jax.core.Tracer):
+        # Op by op (outside a step, or a step run eagerly): a concrete
+        # condition is a Python branch, computed as the rest of the step is.
         if bool(np.asarray(condition)):
             function(*args)
         return
@@ -694,6 +703,13 @@ class _StepFunction:
         )
         with _entered(_Scope(mapping, collect_losses=True)) as scope:
             logs = self._run(data)
+        if self.eager():
+            # Run op by op, the step may make its state at its first run:
+            # a variable made in the scope was initialized when it closed.
+            groups, own_variables = self.groups(), self.own_variables()
+            for variable in [*(v for g in groups for v in g), *own_variables]:
+                if id(variable) not in scope.state_mapping:
+                    scope.state_mapping[id(variable)] = variable.value
         after = [len(g) for g in [*self.groups(), self.own_variables()]]
         if after != [len(g) for g in [*groups, own_variables]]:
             raise RuntimeError(
@@ -750,6 +766,10 @@ class _StepFunction:
             for g in self.groups()
         )
 
+    def eager(self) -> bool:
+        """Whether the step runs op by op (`run_eagerly`, no `jit_compile`)."""
+        return bool(self.model.run_eagerly or not self.model.jit_compile)
+
     def _compiled(self, state: tuple, own: list[Any]) -> Any:
         """Returns the step function, `jax.jit`-compiled unless eager.
 
@@ -758,7 +778,7 @@ class _StepFunction:
         `keras.distribution` nothing is re-laid out by XLA's choice, and
         the step compiles once.
         """
-        if self.model.run_eagerly or not self.model.jit_compile:
+        if self.eager():
             return self._stateless
         self.shardings = _state_shardings(self.groups(), state, own)
         if self.shardings is None:
@@ -781,7 +801,9 @@ class _StepFunction:
     def __call__(self, state: tuple, iterator: Any) -> tuple[Any, tuple]:
         iterator = iter(iterator)
         data = next(iterator)
-        if not self.discovered:
+        if not self.discovered and not self.eager():
+            # Op by op, the first step makes its state itself (`_stateless`):
+            # an abstract trace would show a user's hooks tracers.
             state = self.discover(state, data)
         extras = [variable.value for variable in self.extra_variables()]
         own_variables = self.own_variables()
@@ -801,7 +823,9 @@ class _StepFunction:
         layout = self._layout
         sizes = [*(len(g) for g in state), len(own)]
         if layout is None or layout.sizes != sizes:
-            layout = self._layout = _Layout([*self.groups(), own_variables])
+            layout = self._layout = _Layout(
+                [*self.groups(), self.own_variables()]
+            )
         _LATEST[self.model] = _Latest(layout, (*state, own), scalars)
         return logs, state
 

@@ -266,6 +266,42 @@ def all_reduce_sum(gradients: Sequence[Any]) -> list[Any]:
     return [None if g is None else next(summed) for g in gradients]
 
 
+def batch_gradients(gradients: Sequence[Any]) -> list[Any]:
+    """The global batch's gradients from each replica's: their sum.
+
+    Keras divides each replica's loss by the replica count under
+    `tf.distribute`, so the sum is the gradient of the global batch's loss.
+    """
+    return all_reduce_sum(gradients)
+
+
+def summed_count(count: Any) -> Any:
+    """Returns a replica's count of examples times the replica count."""
+    return count * replica_count()
+
+
+def summed_results(variables: Sequence[Any], compute: Callable[[], Any]) -> Any:
+    """Returns `compute()`: Keras' metric variables are summed on read."""
+    del variables
+    return compute()
+
+
+def process_count() -> int:
+    """Returns 1: `tf.distribute` shards the global data itself."""
+    return 1
+
+
+def process_index() -> int:
+    """Returns 0: see `process_count`."""
+    return 0
+
+
+def data_callbacks(x: Any) -> list[Any]:
+    """Returns no callback: `tf.distribute` shards the data itself."""
+    del x
+    return []
+
+
 def on_first_replica(value: Any) -> Any:
     """Returns `value` on the first replica and 0 on the others.
 

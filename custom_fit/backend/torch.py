@@ -24,7 +24,9 @@ place. custom_fit keeps the step Keras builds and runs its own
 - A variable's value is the parameter itself, which the optimizer updates
   in place: every value kept for later (`read`, `copy`) is a clone.
 
-Keras has no PyTorch distribution yet: one process, one replica.
+Keras 3.15 has no PyTorch distribution; data parallelism over
+`torch.distributed` processes (one replica each) is
+`custom_fit.backend._torch_processes`.
 """
 
 import contextlib
@@ -36,7 +38,7 @@ import keras
 import numpy as np
 import torch
 
-from custom_fit.backend._dense import all_reduce_sum  # noqa: F401
+from custom_fit.backend import _torch_processes
 from custom_fit.backend._dense import build_batch  # noqa: F401
 from custom_fit.backend._dense import check_recorded_loss  # noqa: F401
 from custom_fit.backend._dense import deduplicate  # noqa: F401
@@ -46,13 +48,19 @@ from custom_fit.backend._dense import divisible_first_axis  # noqa: F401
 from custom_fit.backend._dense import is_sparse  # noqa: F401
 from custom_fit.backend._dense import map_values  # noqa: F401
 from custom_fit.backend._dense import normal  # noqa: F401
-from custom_fit.backend._dense import on_first_replica  # noqa: F401
 from custom_fit.backend._dense import recorded_gradients  # noqa: F401
 from custom_fit.backend._dense import reducible_logs  # noqa: F401
 from custom_fit.backend._dense import replica_count  # noqa: F401
 from custom_fit.backend._stateful import after_state_sync  # noqa: F401
-from custom_fit.backend._stateful import make_step_function  # noqa: F401
 from custom_fit.backend._stateful import write_latest  # noqa: F401
+from custom_fit.backend._torch_processes import all_reduce_sum  # noqa: F401
+from custom_fit.backend._torch_processes import batch_gradients  # noqa: F401
+from custom_fit.backend._torch_processes import data_callbacks  # noqa: F401
+from custom_fit.backend._torch_processes import on_first_replica  # noqa: F401
+from custom_fit.backend._torch_processes import process_index  # noqa: F401
+from custom_fit.backend._torch_processes import summed_count  # noqa: F401
+from custom_fit.backend._torch_processes import summed_results  # noqa: F401
+from custom_fit.backend._torch_processes import world_size as process_count  # noqa: F401
 
 
 def _parameter(variable: Any) -> Any:
@@ -329,16 +337,20 @@ def state_variable(
 ) -> keras.Variable:
     """Returns a zero-initialized, non-trainable Keras variable.
 
-    `summed` and `like` have no meaning with one replica on one device.
+    Over several processes, one not `summed` logs the first process'
+    value; `like` has no meaning on one device.
     """
-    del summed, like
-    return keras.Variable(
+    del like
+    variable = keras.Variable(
         initializer=keras.initializers.Zeros(),
         shape=shape,
         dtype=dtype,
         trainable=False,
         name=name,
     )
+    if not summed:
+        _torch_processes.mark_not_summed(variable)
+    return variable
 
 
 def creation_scope() -> contextlib.AbstractContextManager:
@@ -380,24 +392,23 @@ def fetch(value: Any) -> np.ndarray:
 
 
 def check_strategy() -> None:
-    """Raises for an initialized `torch.distributed` process group.
+    """Does nothing: every setting can train.
 
-    Keras 3 has no PyTorch distribution: `fit` would train each process
-    on its own data, with no gradient summed across them.
+    An initialized `torch.distributed` group is data parallelism over its
+    processes (`_torch_processes`).
     """
-    distributed = torch.distributed
-    if distributed.is_available() and distributed.is_initialized():
-        raise ValueError(
-            "custom_fit cannot train under torch.distributed: Keras has no "
-            "PyTorch distribution yet, so each process would train its own "
-            "copy of the model on its own data, and no gradient would be "
-            "summed across processes. Received: an initialized "
-            "torch.distributed process group of "
-            f"{distributed.get_world_size()} processes. Train in one "
-            "process on PyTorch, or use the JAX backend "
-            "(keras.distribution) or TensorFlow (tf.distribute) to scale "
-            "out."
-        )
+
+
+def make_step_function(
+    model: Any,
+    kind: str,
+    build_keras_function: Callable[[], Any],
+    own_state: Callable[[], list[Any]],
+) -> Any:
+    """Returns Keras' function, data parallel over `torch.distributed`."""
+    return _torch_processes.ProcessStep(
+        model, kind, build_keras_function(), own_state
+    )
 
 
 def check_compile(jit_compile: Any) -> None:

@@ -1,0 +1,334 @@
+"""Data parallelism over `torch.distributed` processes, for the PyTorch adapter.
+
+The PyTorch way to train on several devices is one process per device
+(`torchrun --nproc_per_node=N train.py`), each fitting its own shard of
+every global batch, with a process group that the script initializes
+(`torch.distributed.init_process_group`: gloo on CPU, NCCL on CUDA). Keras
+3.15 has no PyTorch distribution, and Keras' next release wraps the model
+in `DistributedDataParallel`, which reduces only what `loss.backward()`
+writes to `.grad`; custom_fit differentiates with `torch.autograd.grad`, so
+it reduces its own gradients, here:
+
+- Keras computes each process' loss as the mean over its own examples
+  (it does not divide by the number of processes, as it does for
+  `tf.distribute` replicas). The gradient of the global batch is the mean
+  of the processes' gradients weighted by their batch sizes: one
+  all-reduce of one float32 buffer (each gradient times the local batch
+  size, then the batch size itself), divided by the summed sizes. An
+  uneven last batch is weighted exactly.
+- Sums that are sums (DP-SGD's clipped per-example gradients, counts) are
+  summed as they are.
+- At its first call the train function broadcasts the first process'
+  model variables (weights, layer state, seed generators), optimizer
+  variables and custom_fit's own state, so processes start equal whatever
+  their seeds; from then on every process takes the same decisions from
+  the same reduced figures, and draws the same noise.
+- Logs are computed from metric states summed over processes (a state
+  variable made with `summed=False`, a "last value", is the first
+  process'), so every process logs what one process on the global batch
+  would.
+
+Nothing here runs, and no collective is issued, unless a process group
+of more than one process is initialized.
+"""
+
+import contextlib
+import threading
+import weakref
+from collections.abc import Callable
+from collections.abc import Iterator
+from collections.abc import Sequence
+from typing import Any
+
+import keras
+import torch
+
+_LOCAL = threading.local()
+# State variables whose value is the same in every process (a "last
+# value"): their logs take the first
+# process' value, not the sum (by id: a Keras variable is not hashable).
+_NOT_SUMMED: "weakref.WeakValueDictionary[int, Any]" = (
+    weakref.WeakValueDictionary()
+)
+
+
+def world_size() -> int:
+    """The number of processes of the default group, 1 without one."""
+    distributed = torch.distributed
+    if distributed.is_available() and distributed.is_initialized():
+        return distributed.get_world_size()
+    return 1
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank()
+
+
+def process_index() -> int:
+    """This process' rank in the default group, 0 without one."""
+    return _rank() if world_size() > 1 else 0
+
+
+def mark_not_summed(variable: Any) -> None:
+    """Marks a state variable whose logs take the first process' value."""
+    _NOT_SUMMED[id(variable)] = variable
+
+
+def _summed(tensors: Sequence[Any]) -> list[Any]:
+    """Sums tensors over the processes: one all-reduce per dtype."""
+    results: list[Any] = list(tensors)
+    by_dtype: dict[Any, list[int]] = {}
+    for i, tensor in enumerate(tensors):
+        by_dtype.setdefault(tensor.dtype, []).append(i)
+    for indices in by_dtype.values():
+        flat = torch.cat([tensors[i].reshape(-1) for i in indices])
+        torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.SUM)
+        offset = 0
+        for i in indices:
+            size = tensors[i].numel()
+            results[i] = flat[offset : offset + size].view(tensors[i].shape)
+            offset += size
+    return results
+
+
+def all_reduce_sum(gradients: Sequence[Any]) -> list[Any]:
+    """Sums `gradients` (or any tensors) over the processes.
+
+    `None` stays `None`.
+    """
+    present = [i for i, value in enumerate(gradients) if value is not None]
+    result = list(gradients)
+    if world_size() == 1 or not present:
+        return result
+    summed = _summed([gradients[i] for i in present])
+    for i, value in zip(present, summed):
+        result[i] = value
+    return result
+
+
+def batch_gradients(gradients: Sequence[Any]) -> list[Any]:
+    """The global batch's gradients from each process' gradients of its mean.
+
+    Weighted by each process' batch size in float32 (one buffer), then
+    cast back to each gradient's dtype.
+    """
+    present = [i for i, g in enumerate(gradients) if g is not None]
+    result = list(gradients)
+    if world_size() == 1 or not present:
+        return result
+    size = getattr(_LOCAL, "batch_size", None) or 1
+    means = _weighted_means([gradients[i] for i in present], size)
+    for i, mean in zip(present, means):
+        result[i] = mean
+    return result
+
+
+def _weighted_means(tensors: Sequence[Any], size: int) -> list[Any]:
+    """The means of `tensors` over the processes, weighted by `size`.
+
+    One float32 all-reduce of each tensor times `size`, then `size`
+    itself; the results are cast back to each tensor's dtype.
+    """
+    parts = [t.detach().to(torch.float32).reshape(-1) * size for t in tensors]
+    weight = torch.tensor([float(size)], device=parts[0].device)
+    flat = torch.cat([*parts, weight])
+    torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.SUM)
+    flat = flat / flat[-1]
+    means = []
+    offset = 0
+    for tensor in tensors:
+        count = tensor.numel()
+        means.append(flat[offset : offset + count].view(tensor.shape))
+        means[-1] = means[-1].to(tensor.dtype)
+        offset += count
+    return means
+
+
+def summed_count(count: Any) -> Any:
+    """`count` summed over the processes (a tensor when reduced)."""
+    if world_size() == 1:
+        return count
+    tensor = torch.as_tensor(count, dtype=torch.float32).reshape(1).clone()
+    (summed,) = _summed([tensor])
+    return summed.reshape(())
+
+
+def on_first_replica(value: Any) -> Any:
+    """`value` in the first process, 0 in the others."""
+    if world_size() == 1 or _rank() == 0:
+        return value
+    return value * 0
+
+
+def summed_results(variables: Sequence[Any], compute: Callable[[], Any]) -> Any:
+    """Returns `compute()` run on metric states summed over the processes.
+
+    Over several processes, `variables` hold their sums over the processes
+    while `compute` runs (a variable marked with `mark_not_summed` holds
+    the first process' value), its tensors are copied, and the local values
+    are written back: each process keeps accumulating its own.
+    """
+    if world_size() == 1 or not variables:
+        return compute()
+    with _summed_values(variables):
+        return keras.tree.map_structure(
+            lambda x: x.clone() if isinstance(x, torch.Tensor) else x,
+            compute(),
+        )
+
+
+@contextlib.contextmanager
+def _summed_values(variables: Sequence[Any]) -> Iterator[None]:
+    first = _rank() == 0
+    local = [variable.value.detach().clone() for variable in variables]
+    contributions = [
+        value
+        if first or _NOT_SUMMED.get(id(variable)) is not variable
+        else value * 0
+        for variable, value in zip(variables, local)
+    ]
+    summed = _summed(
+        [
+            value.to(torch.float64) if value.is_floating_point() else value
+            for value in contributions
+        ]
+    )
+    try:
+        for variable, value in zip(variables, summed):
+            variable.assign(value.to(variable.value.dtype))
+        yield
+    finally:
+        for variable, value in zip(variables, local):
+            variable.assign(value)
+
+
+class _SamplerEpoch(keras.callbacks.Callback):
+    """Gives a sampler each epoch's index before the epoch."""
+
+    def __init__(self, sampler: Any) -> None:
+        super().__init__()
+        self.sampler = sampler
+
+    def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
+        del logs
+        self.sampler.set_epoch(epoch)
+
+
+def data_callbacks(x: Any) -> list[Any]:
+    """Returns the callbacks `fit` adds for its data `x`.
+
+    For a `DataLoader` whose sampler has `set_epoch`, one that calls it
+    before each epoch: a `DistributedSampler` then shuffles each epoch
+    differently, the same way in every process.
+    """
+    sampler = getattr(x, "sampler", None)
+    if isinstance(x, torch.utils.data.DataLoader) and hasattr(
+        sampler, "set_epoch"
+    ):
+        return [_SamplerEpoch(sampler)]
+    return []
+
+
+def _batch_size(data: Any) -> int | None:
+    """The first axis of the batch's first array, `None` without one."""
+    for leaf in keras.tree.flatten(data):
+        shape = getattr(leaf, "shape", None)
+        if shape is not None and len(shape) > 0:
+            return int(shape[0])
+    return None
+
+
+def _broadcast(variables: Sequence[Any]) -> None:
+    """Gives every process the first process' values of `variables`."""
+    tensors = [variable.value.detach() for variable in variables]
+    by_dtype: dict[Any, list[int]] = {}
+    for i, tensor in enumerate(tensors):
+        by_dtype.setdefault(tensor.dtype, []).append(i)
+    for dtype, indices in by_dtype.items():
+        flat = torch.cat([tensors[i].reshape(-1) for i in indices])
+        if dtype == torch.bool:
+            flat = flat.to(torch.uint8)
+        torch.distributed.broadcast(flat, src=0)
+        offset = 0
+        for i in indices:
+            size = tensors[i].numel()
+            value = flat[offset : offset + size].view(tensors[i].shape)
+            variables[i].assign(value.to(dtype))
+            offset += size
+
+
+class ProcessStep:
+    """Keras' PyTorch train or test function, data parallel over processes.
+
+    Without a process group of several processes it calls Keras' function
+    as is. With one, the first call broadcasts the first process' state,
+    and every call notes the local batch size for `batch_gradients`.
+
+    Args:
+        model: The model.
+        kind: `"train"` or `"test"`.
+        function: Keras' function: `(data) -> logs`.
+        own_state: Callable returning custom_fit's own state variables.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        kind: str,
+        function: Callable[[Any], Any],
+        own_state: Callable[[], list[Any]],
+    ) -> None:
+        self.model = model
+        self.kind = kind
+        self.function = function
+        self.own_state = own_state
+        self.synced = False
+
+    def __call__(self, data: Any) -> Any:
+        if world_size() == 1:
+            return self.function(data)
+        if not self.synced:
+            self.synchronize()
+        size = _batch_size(data)
+        _LOCAL.batch_size = size
+        try:
+            logs = self.function(data)
+        finally:
+            _LOCAL.batch_size = None
+        if self.kind == "train":
+            self.average_layer_state(size or 1)
+        return logs
+
+    def average_layer_state(self, size: int) -> None:
+        """Averages the layers' float state over the processes.
+
+        Each process normalizes by its own batch (no synchronized
+        BatchNormalization), so moving statistics differ after a step; they
+        are replaced by their mean weighted by batch sizes, so that every
+        process holds the same model after every step (and any process'
+        checkpoint is the model's).
+        """
+        variables = [
+            v
+            for v in self.model.non_trainable_variables
+            if v.value.is_floating_point()
+        ]
+        if not variables:
+            return
+        means = _weighted_means([v.value for v in variables], size)
+        for variable, mean in zip(variables, means):
+            variable.assign(mean)
+
+    def synchronize(self) -> None:
+        """Broadcasts the first process' model, optimizer and own state."""
+        model = self.model
+        variables = list(model.variables)
+        optimizer = getattr(model, "optimizer", None)
+        if optimizer is not None and optimizer.built:
+            variables += list(optimizer.variables)
+        variables += list(self.own_state())
+        unique: dict[int, Any] = {}
+        for variable in variables:
+            unique.setdefault(id(variable), variable)
+        _broadcast(list(unique.values()))
+        self.synced = True

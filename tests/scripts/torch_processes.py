@@ -1,0 +1,308 @@
+"""custom_fit over torch.distributed processes, against one process.
+
+Launched by `tests/torch_processes_test.py`, as a user launches it:
+
+    python -m torch.distributed.run --nproc_per_node=2 torch_processes.py \
+        --output_dir=DIR
+
+Each process (gloo, 127.0.0.1) fits its share of every global batch of
+32 (`x[rank::world]`, batches of 16) for each configuration below, from
+weights initialized with its own seed; without `torchrun` the script fits
+the global batches in one process. Each run saves, per configuration, its
+final weights and its `History` to `DIR/<run>.npz` (`process_<rank>` or
+`single`). The data has an uneven last batch (12 + 11 rows); the
+validation data (37 examples) is sharded the same way.
+"""
+
+import os
+
+os.environ.setdefault("KERAS_BACKEND", "torch")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import datetime  # noqa: E402
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from absl import app  # noqa: E402
+from absl import flags  # noqa: E402
+
+import custom_fit  # noqa: E402
+
+_OUTPUT_DIR = flags.DEFINE_string("output_dir", None, "Where to save.")
+_ONLY = flags.DEFINE_list("only", None, "Run only these configurations.")
+flags.mark_flag_as_required("output_dir")
+
+SAMPLES = 119  # global batches of 32, 32, 32 and 23
+GLOBAL_BATCH = 32
+
+
+class Net(
+    custom_fit.GradientClippingMixin,
+    custom_fit.GradientInspectionMixin,
+    custom_fit.RegularizationMixin,
+    keras.Model,
+):
+    pass
+
+
+class Accumulated(custom_fit.GradientClippingMixin, keras.Model):
+    pass
+
+
+class Sam(custom_fit.SharpnessAwareMixin, keras.Model):
+    pass
+
+
+class Private(custom_fit.DifferentialPrivacyMixin, keras.Model):
+    pass
+
+
+class Projected(custom_fit.PCGradMixin, keras.Model):
+    pass
+
+
+def data(samples=SAMPLES, seed=0):
+    """Returns `(x, y)`: 119 examples, 6 features, 3 classes."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(samples, 6)).astype("float32")
+    y = (x[:, 0] + x[:, 1] > 0).astype("int32") + (x[:, 2] > 1)
+    return x, y.astype("int32")
+
+
+def network(model_class, seed, normalized=False, outputs=1, **options):
+    """A small MLP whose weights come from `seed`."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(8, activation="tanh", name="hidden")(inputs)
+    if normalized:
+        hidden = keras.layers.BatchNormalization(name="norm")(hidden)
+    heads = [
+        keras.layers.Dense(3, name=f"logits_{i}")(hidden)
+        for i in range(outputs)
+    ]
+    return model_class(inputs, heads if outputs > 1 else heads[0], **options)
+
+
+def configurations():
+    """Name -> (model builder, compile arguments, fit transform of x)."""
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    sgd = lambda: keras.optimizers.SGD(0.1)  # noqa: E731
+    adam = lambda: keras.optimizers.Adam(0.05)  # noqa: E731
+
+    def nan_in_batch_one(x):
+        x = x.copy()
+        x[GLOBAL_BATCH + 3, 0] = np.nan  # one row, so one process' shard
+        return x
+
+    return {
+        "clipping_inspection_l2": (
+            lambda seed: network(
+                Net,
+                seed,
+                global_clipnorm=0.05,
+                l2=1e-2,
+                layer_norms_in_logs=True,
+            ),
+            dict(optimizer=adam(), loss=loss, metrics=["accuracy"]),
+            None,
+        ),
+        "guard_spike": (
+            lambda seed: network(
+                Net,
+                seed,
+                skip_nonfinite=True,
+                skip_gradient_norm_above=0.7,
+                global_clipnorm=0.6,
+            ),
+            dict(optimizer=adam(), loss=loss),
+            nan_in_batch_one,
+        ),
+        "accumulation": (
+            lambda seed: network(
+                Accumulated,
+                seed,
+                gradient_accumulation_steps=2,
+                global_clipnorm=0.5,
+            ),
+            dict(optimizer=sgd(), loss=loss),
+            None,
+        ),
+        "sam": (
+            lambda seed: network(Sam, seed, sam_rho=0.05),
+            dict(optimizer=sgd(), loss=loss),
+            None,
+        ),
+        "pcgrad": (
+            lambda seed: network(
+                Projected,
+                seed,
+                outputs=2,
+                per_loss_gradients="outputs",
+                pcgrad_seed=1,
+            ),
+            dict(optimizer=sgd(), loss=[loss, loss]),
+            None,
+        ),
+        "parameter_groups": (
+            lambda seed: network(Net, seed, global_clipnorm=0.5),
+            dict(
+                optimizer=custom_fit.MultiOptimizer(
+                    [
+                        (keras.optimizers.SGD(0.05), "hidden"),
+                        (keras.optimizers.Adam(0.01), "logits_0"),
+                    ]
+                ),
+                loss=loss,
+            ),
+            None,
+        ),
+        "batch_normalization": (
+            lambda seed: network(
+                Net, seed, normalized=True, global_clipnorm=0.5
+            ),
+            dict(optimizer=sgd(), loss=loss),
+            None,
+        ),
+        "dp_ghost": (
+            lambda seed: network(
+                Private,
+                seed,
+                l2_norm_clip=2.5,
+                noise_multiplier=1.0,
+                noise_seed=3,
+                clipping_method="ghost",
+            ),
+            dict(optimizer=sgd(), loss=loss),
+            None,
+        ),
+        "dp_calibrated": (
+            # Calibrated for the global run: shuffled batches of 32 of 119
+            # examples, which the processes' shards make together.
+            lambda seed: network(
+                Private,
+                seed,
+                l2_norm_clip=2.5,
+                noise_seed=3,
+                noise_multiplier=custom_fit.privacy.calibrate_noise(
+                    target_epsilon=3.0,
+                    delta=1e-3,
+                    num_examples=SAMPLES,
+                    batch_size=GLOBAL_BATCH,
+                    epochs=2,
+                    sampling="shuffle",
+                ),
+            ),
+            dict(optimizer=sgd(), loss=loss),
+            None,
+        ),
+        "dp_vectorized": (
+            lambda seed: network(
+                Private,
+                seed,
+                l2_norm_clip=2.5,
+                noise_multiplier=1.0,
+                noise_seed=3,
+                clipping_method="vectorized",
+            ),
+            dict(optimizer=sgd(), loss=loss),
+            None,
+        ),
+    }
+
+
+def fit_extras(name, label):
+    """`fit`'s epochs and callbacks: 2 epochs; for the first configuration
+    up to 12, stopped by `EarlyStopping` on `val_loss` (every process must
+    stop at the same epoch), with `GradientTensorBoard` writing to
+    `tb_<label>` (only the first process writes)."""
+    if name != "clipping_inspection_l2":
+        return {"epochs": 2}
+    return {
+        "epochs": 12,
+        "callbacks": [
+            keras.callbacks.EarlyStopping(
+                monitor="val_loss", min_delta=0.01, patience=0
+            ),
+            custom_fit.callbacks.GradientTensorBoard(
+                os.path.join(_OUTPUT_DIR.value, f"tb_{label}")
+            ),
+        ],
+    }
+
+
+def poisson_refused(x, y, rank, world):
+    """Whether private training on a `PoissonSampler` is refused (it is over
+    several processes: their draws together are no single Poisson draw)."""
+    model = network(
+        Private,
+        0,
+        l2_norm_clip=1.0,
+        noise_multiplier=1.0,
+        expected_batch_size=GLOBAL_BATCH // world,
+    )
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    sampler = custom_fit.sampling.PoissonSampler(
+        x[rank::world],
+        y[rank::world],
+        batch_size=GLOBAL_BATCH // world,
+        seed=rank,
+    )
+    try:
+        model.fit(sampler, epochs=1, verbose=0)
+    except ValueError as error:
+        assert "Poisson" in str(error) and f"{world} torch" in str(error)
+        return True
+    return False
+
+
+def main(argv):
+    del argv
+    world, rank = 1, 0
+    if "RANK" in os.environ:
+        torch.distributed.init_process_group(
+            "gloo", timeout=datetime.timedelta(seconds=120)
+        )
+        world, rank = (
+            torch.distributed.get_world_size(),
+            torch.distributed.get_rank(),
+        )
+    x, y = data()
+    x_val, y_val = data(samples=37, seed=1)
+    label = "single" if world == 1 else f"process_{rank}"
+    saved = {}
+    for name, (build, compile_args, transform) in configurations().items():
+        if _ONLY.value and name not in _ONLY.value:
+            continue
+        model = build(seed=rank)
+        model.compile(**compile_args)
+        features = x if transform is None else transform(x)
+        labels = y if "pcgrad" not in name else (y, y)
+        shard = lambda a: a[rank::world]  # noqa: E731
+        history = model.fit(
+            shard(features),
+            keras.tree.map_structure(shard, labels),
+            batch_size=GLOBAL_BATCH // world,
+            validation_data=(
+                shard(x_val),
+                keras.tree.map_structure(
+                    shard, y_val if "pcgrad" not in name else (y_val, y_val)
+                ),
+            ),
+            shuffle=False,
+            verbose=0,
+            **fit_extras(name, label),
+        )
+        for i, weight in enumerate(model.get_weights()):
+            saved[f"{name}/weight_{i}"] = weight
+        for key, values in history.history.items():
+            saved[f"{name}/history/{key}"] = np.asarray(values)
+        print(name, "done", flush=True)
+    saved["refused/poisson"] = np.float32(poisson_refused(x, y, rank, world))
+    np.savez(os.path.join(_OUTPUT_DIR.value, f"{label}.npz"), **saved)
+    if world > 1:
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,230 @@
+"""PyTorch over two torch.distributed processes on 127.0.0.1 (gloo).
+
+The processes are launched as a user launches them, with `torchrun`
+(`python -m torch.distributed.run`), bounded by a timeout and reaped with
+their launcher (`testing.run_bounded`). The oracle is one process fitting
+the same global batches.
+"""
+
+import os
+import socket
+import tempfile
+
+import numpy as np
+import pytest
+
+from tests import testing
+
+_SCRIPT = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "scripts", "torch_processes.py"
+)
+_TIMEOUT = 300  # seconds for a whole run, processes included
+# Each process normalizes by its own batch: these differ from one process.
+_PER_PROCESS_STATISTICS = ("batch_normalization",)
+
+
+def _free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _torchrun(*flags, processes=2, script=_SCRIPT):
+    """Runs `script` under torchrun with `processes` gloo processes."""
+    env = dict(os.environ, KERAS_BACKEND="torch", OMP_NUM_THREADS="1")
+    return testing.run_bounded(
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={processes}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={_free_port()}",
+        script,
+        *flags,
+        timeout=_TIMEOUT,
+        env=env,
+    )
+
+
+@pytest.mark.torch
+class TorchDataParallelExampleTest(testing.TestCase):
+    def test_two_processes_equal_one_with_a_distributed_sampler(self):
+        """`examples/torch_data_parallel.py` under torchrun: a shuffling
+        `DistributedSampler` over 3 epochs (its epoch set by `fit`), and
+        the weights, the loss per epoch and the validation accuracy of
+        process 0 equal one process on the same global batches."""
+        output_dir = tempfile.mkdtemp()
+        example = os.path.join(testing.EXAMPLES_DIR, "torch_data_parallel.py")
+        flags = (f"--output_dir={output_dir}", "--epochs=3")
+        env = dict(os.environ, KERAS_BACKEND="torch", OMP_NUM_THREADS="1")
+        _torchrun(*flags, script=example)
+        testing.run_bounded(example, *flags, timeout=_TIMEOUT, env=env)
+        two, one = (
+            np.load(os.path.join(output_dir, f"processes_{n}.npz"))
+            for n in (2, 1)
+        )
+        self.assertEqual(int(two["sampler_epoch"]), 2)
+        for key in one.files:
+            self.assertAllClose(two[key], one[key], atol=1e-6, rtol=0, msg=key)
+
+
+@pytest.mark.torch
+class TorchProcessesTest(testing.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        """Fits every configuration in two processes, then in one."""
+        super().setUpClass()
+        cls.output_dir = tempfile.mkdtemp()
+        _torchrun(f"--output_dir={cls.output_dir}")
+        env = dict(os.environ, KERAS_BACKEND="torch", OMP_NUM_THREADS="1")
+        testing.run_bounded(
+            _SCRIPT,
+            f"--output_dir={cls.output_dir}",
+            timeout=_TIMEOUT,
+            env=env,
+        )
+        cls.saved = {
+            label: dict(np.load(os.path.join(cls.output_dir, f"{label}.npz")))
+            for label in ("process_0", "process_1", "single")
+        }
+
+    def configurations(self):
+        return sorted(
+            {
+                key.split("/")[0]
+                for key in self.saved["single"]
+                if "/weight_" in key
+            }
+        )
+
+    def test_every_mixin_family_equals_one_process(self):
+        """Clipping + inspection + L2, the guard (a NaN in one process'
+        shard) with a spike bound, accumulation, SAM, PCGrad, parameter
+        groups and DP-SGD with noise (ghost and vectorized): the final
+        weights equal one process on the global batches (atol 1e-6), from
+        weights each process initialized with its own seed, with an uneven
+        last batch (12 + 11 rows)."""
+        single = self.saved["single"]
+        names = self.configurations()
+        self.assertGreaterEqual(len(names), 9)
+        for name in names:
+            if name in _PER_PROCESS_STATISTICS:
+                continue
+            weights = [k for k in single if k.startswith(f"{name}/weight_")]
+            self.assertNotEmpty(weights)
+            for key in weights:
+                self.assertAllClose(
+                    self.saved["process_0"][key],
+                    single[key],
+                    atol=1e-6,
+                    rtol=0,
+                    msg=key,
+                )
+
+    def test_logs_equal_one_process_and_each_other(self):
+        """Every History entry (training and validation, the figures
+        custom_fit reports included: skipped steps and spikes, clip rate,
+        per-layer norms, DP's clipped share) is the same in both processes
+        and equals one process on the global batches."""
+        single = self.saved["single"]
+        history = [k for k in single if "/history/" in k]
+        reported = {k.split("/history/")[1] for k in history}
+        for expected in (
+            "loss",
+            "val_loss",
+            "accuracy",
+            "skipped_steps",
+            "skipped_spikes",
+            "clip_rate",
+            "grad_norm/hidden",
+            "dp_clipped_fraction",
+        ):
+            self.assertIn(expected, reported)
+        for key in history:
+            np.testing.assert_array_equal(
+                self.saved["process_0"][key],
+                self.saved["process_1"][key],
+                err_msg=key,
+            )
+            if key.split("/")[0] in _PER_PROCESS_STATISTICS:
+                continue
+            self.assertAllClose(
+                self.saved["process_0"][key],
+                single[key],
+                atol=1e-6,
+                rtol=1e-6,
+                msg=key,
+            )
+
+    def test_guard_and_spike_rule_act_in_both_processes(self):
+        """The oracle run skips a NaN batch and a spike in the first epoch,
+        so the equality above covers a skipped step of each kind."""
+        single = self.saved["single"]
+        self.assertEqual(
+            single["guard_spike/history/skipped_steps"].tolist(), [2.0, 1.0]
+        )
+        self.assertEqual(
+            single["guard_spike/history/skipped_spikes"].tolist(), [1.0, 0.0]
+        )
+
+    def test_early_stopping_stops_every_process_at_the_same_epoch(self):
+        """`EarlyStopping` on `val_loss` (min_delta 0.01) stops both
+        processes after the epoch one process stops after, before the 12
+        asked for: they decide on the same, global logs."""
+        key = "clipping_inspection_l2/history/val_loss"
+        epochs = len(self.saved["single"][key])
+        self.assertLess(epochs, 12)
+        for label in ("process_0", "process_1"):
+            self.assertLen(self.saved[label][key], epochs)
+
+    def test_gradient_tensorboard_writes_in_the_first_process_only(self):
+        """Process 0 writes the events one process writes (read back with
+        TensorBoard's reader); process 1 writes nothing."""
+        from tensorboard.util import tensor_util
+
+        from tests.callbacks_test import event_tags
+
+        self.assertFalse(
+            os.path.exists(os.path.join(self.output_dir, "tb_process_1"))
+        )
+        read = {}
+        for label in ("process_0", "single"):
+            accumulator, tags = event_tags(
+                os.path.join(self.output_dir, f"tb_{label}", "train")
+            )
+            self.assertEqual(
+                tags, {"gradient_norm/hidden", "gradient_norm/logits_0"}
+            )
+            read[label] = [
+                (e.step, float(tensor_util.make_ndarray(e.tensor_proto)))
+                for e in accumulator.Tensors("gradient_norm/hidden")
+            ]
+        self.assertEqual(
+            [s for s, _ in read["process_0"]], [s for s, _ in read["single"]]
+        )
+        self.assertAllClose(
+            [v for _, v in read["process_0"]],
+            [v for _, v in read["single"]],
+            atol=1e-6,
+        )
+
+    def test_poisson_batches_are_refused_over_processes(self):
+        """Private training on a `PoissonSampler` is refused in each of two
+        processes (their draws together are no single Poisson draw), and
+        runs in one; a noise calibrated for the global run of shuffled
+        batches (configuration `dp_calibrated`) trains over the shards."""
+        self.assertEqual(float(self.saved["process_0"]["refused/poisson"]), 1)
+        self.assertEqual(float(self.saved["process_1"]["refused/poisson"]), 1)
+        self.assertEqual(float(self.saved["single"]["refused/poisson"]), 0)
+        self.assertIn("dp_calibrated", self.configurations())
+
+    def test_processes_hold_the_same_model(self):
+        """After every step the processes hold the same model, batch
+        normalization's moving statistics included (averaged over the
+        processes); the trainables of per-process normalization differ
+        from one process, as measured in BUILD_NOTES."""
+        for key in self.saved["single"]:
+            np.testing.assert_array_equal(
+                self.saved["process_0"][key],
+                self.saved["process_1"][key],
+                err_msg=key,
+            )

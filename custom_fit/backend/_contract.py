@@ -166,7 +166,7 @@ class Adapter(Protocol):
         ...
 
     def process_index(self) -> int:
-        """This process' index among `process_count()` (0 for one)."""
+        """The index of this process among `process_count()` (0 for one)."""
         ...
 
     def data_callbacks(self, x: Any) -> list[Any]:

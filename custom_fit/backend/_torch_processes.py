@@ -65,7 +65,7 @@ def _rank() -> int:
 
 
 def process_index() -> int:
-    """This process' rank in the default group, 0 without one."""
+    """The rank of this process in the default group, 0 without one."""
     return _rank() if world_size() > 1 else 0
 
 

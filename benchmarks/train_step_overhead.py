@@ -23,9 +23,10 @@ the backends side by side: ms per step of plain Keras, of custom_fit
 on JAX. On JAX only `jit_compile=true` is measured (`false` runs the step
 un-jitted, op by op) and the loop is a jitted stateless step
 (`jax.value_and_grad`, `optimizer.stateless_apply`). On PyTorch the step
-is eager (custom_fit refuses `torch.compile`, Keras `steps_per_execution >
-1`), with one OpenMP thread, and the loop is an eager step
-(`torch.autograd.grad`, the optimizer's `apply`).
+runs one step per execution (Keras refuses more), with one OpenMP thread,
+eager with `jit_compile=false` and compiled with `true` (plain Keras'
+whole step under `torch.compile`, custom_fit's forward pass), and the loop
+is an eager step (`torch.autograd.grad`, the optimizer's `apply`).
 
     python benchmarks/train_step_overhead.py --memory
 
@@ -828,9 +829,10 @@ def measure_backend():
         for name in names
         if name in FIT_CONFIGURATIONS or name in LOOP_CONFIGURATIONS[BACKEND]
     ]
-    # JAX: jit only (unjitted runs op by op); PyTorch: eager only (no
-    # compiled step, one step per execution).
-    jits = {"tensorflow": _JIT.value, "jax": ["true"], "torch": ["false"]}[
+    # JAX: jit only (unjitted runs op by op); PyTorch: one step per
+    # execution, eager or compiled (Keras' whole step under torch.compile,
+    # custom_fit's forward pass).
+    jits = {"tensorflow": _JIT.value, "jax": ["true"], "torch": _JIT.value}[
         BACKEND
     ]
     spes = ["1"] if BACKEND == "torch" else _STEPS_PER_EXECUTION.value

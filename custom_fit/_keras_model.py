@@ -88,8 +88,8 @@ class KerasModel(_ModelBase):
 
     @jit_compile.setter
     def jit_compile(self, value: Any) -> None:
-        # A setting the backend's step cannot run (PyTorch's
-        # `torch.compile`) is refused, and the model keeps its setting.
+        # A setting the backend's step cannot run (none today: see
+        # `check_compile`) is refused, and the model keeps its setting.
         keras_property = _keras_property(self, "jit_compile")
         previous = keras_property.__get__(self)
         keras_property.__set__(self, value)
@@ -128,9 +128,8 @@ class KerasModel(_ModelBase):
         As in Keras, except for one setting. The configuration holds
         `jit_compile` as the saving backend resolved it: `"auto"` becomes
         `True` on JAX and TensorFlow. Where this backend refuses that value
-        (PyTorch, whose `True` means `torch.compile`), the model is compiled
-        with `"auto"` instead, with a warning; a `jit_compile=True` passed
-        to `compile` by hand is still refused.
+        (none does today; PyTorch compiles the forward pass), the model is
+        compiled with `"auto"` instead, with a warning.
 
         Args:
             config: The dict that `get_compile_config()` returned.

@@ -320,7 +320,11 @@ class TrainStepMixin(
         Returns:
             The predictions `y_pred`.
         """
-        return _keras_compat.call_model(self, x, training=training)
+        # Compiled on PyTorch with `jit_compile=True` (elsewhere the whole
+        # step is).
+        return backend.current().forward(
+            self, _keras_compat.call_model, x, training
+        )
 
     def compute_gradients(
         self,

@@ -107,25 +107,6 @@ class RefusalLeavesModelTest(testing.TestCase):
             )
         self.assertUnchanged(model, optimizer)
 
-    @pytest.mark.skipif(
-        testing.BACKEND != "torch", reason="jit_compile=True runs elsewhere"
-    )
-    def test_refused_jit_compile_leaves_model(self):
-        """On PyTorch a refused `compile(jit_compile=True)` or
-        `model.jit_compile = True` leaves the model eager, with its
-        optimizer and loss, and the next `fit` runs eagerly."""
-        model = self.compiled_model()
-        optimizer = model.optimizer
-        with self.assertRaisesRegex(ValueError, "jit_compile=True"):
-            model.compile(optimizer="adam", loss="mae", jit_compile=True)
-        self.assertUnchanged(model, optimizer)
-        with self.assertRaisesRegex(ValueError, "jit_compile=True"):
-            model.jit_compile = True
-        self.assertUnchanged(model, optimizer)
-        x, y = testing.classification_data(samples=8)
-        model.fit(x, keras.utils.to_categorical(y, 3), verbose=0)
-        self.assertFalse(model.jit_compile)
-
 
 class MissingMixinTest(testing.TestCase):
     @parameterized.named_parameters(

@@ -20,8 +20,9 @@ BACKEND = keras.backend.backend()
 # step is, so one mode proves both and keeps the suite within its time);
 # on JAX, `jit_compile=False` runs the step unjitted, as eager does (so no
 # `graph_fn`), and `steps_per_execution` loops a jitted step; Keras'
-# PyTorch trainer runs eagerly and refuses `steps_per_execution > 1`, and
-# custom_fit refuses `torch.compile`.
+# PyTorch trainer runs eagerly and refuses `steps_per_execution > 1`;
+# `jit_compile=True` there (custom_fit's forward pass under `torch.compile`,
+# seconds of compilation per model) is tested in `torch_compile_test.py`.
 _ALL_MODES = {
     "eager": dict(run_eagerly=True),
     "graph_fn": dict(run_eagerly=False, jit_compile=False),
@@ -55,8 +56,9 @@ def modes(*names):
 
 
 def _runs_here(value):
-    """False for `compile` arguments this backend cannot run: on PyTorch a
-    compiled step (`jit_compile=True`) or `steps_per_execution > 1`."""
+    """False for `compile` arguments not run on this backend: on PyTorch
+    `steps_per_execution > 1` (Keras refuses it) and `jit_compile=True`
+    (left to `torch_compile_test.py`, for the suite's time)."""
     if BACKEND != "torch" or not isinstance(value, dict):
         return True
     return not (

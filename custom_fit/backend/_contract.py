@@ -308,11 +308,20 @@ class Adapter(Protocol):
         """Raises early for a distribution that `fit` cannot use."""
         ...
 
+    def forward(
+        self, model: Any, call: Callable[..., Any], x: Any, training: bool
+    ) -> Any:
+        """`call(model, x, training=training)`: the model's forward pass.
+
+        On PyTorch with `jit_compile=True`, under `torch.compile`.
+        """
+        ...
+
     def check_compile(self, jit_compile: Any) -> None:
         """Raises `ValueError` for a `jit_compile` the step cannot run.
 
-        `jit_compile` is the value `compile` resolved; PyTorch refuses
-        `True` (`torch.compile`).
+        `jit_compile` is the value `compile` resolved; every backend
+        accepts every value today.
         """
         ...
 

@@ -161,6 +161,16 @@ def dense(gradient: Any) -> Any:
 # Every `compile` setting runs.
 
 
+def forward(
+    model: Any, call: Callable[..., Any], x: Any, training: bool
+) -> Any:
+    """Returns `call(model, x, training=training)`.
+
+    Keras compiles the step (`jax.jit`) with its forward pass.
+    """
+    return call(model, x, training=training)
+
+
 def check_compile(jit_compile: Any) -> None:
     """Accepts every `jit_compile`."""
     del jit_compile

@@ -611,6 +611,17 @@ def check_strategy() -> None:
         )
 
 
+def forward(
+    model: Any, call: Callable[..., Any], x: Any, training: bool
+) -> Any:
+    """Returns `call(model, x, training=training)`.
+
+    Keras compiles the whole step (`tf.function`, XLA) with its forward
+    pass.
+    """
+    return call(model, x, training=training)
+
+
 def check_compile(jit_compile: Any) -> None:
     """Accepts every `jit_compile` (XLA included)."""
     del jit_compile

@@ -1,7 +1,7 @@
 """The PyTorch adapter: eager steps, `torch.autograd`, `torch.func`.
 
-Keras' PyTorch trainer runs the step eagerly (`jit_compile=True` would
-mean `torch.compile`, refused here: see `check_compile`), statefully: a
+Keras' PyTorch trainer runs the step eagerly (with `jit_compile=True`,
+custom_fit compiles the forward pass: `_torch_compile`), statefully: a
 variable's value is a `torch.nn.Parameter` that the optimizer updates in
 place. custom_fit keeps the step Keras builds and runs its own
 `train_step` in it, as on TensorFlow:
@@ -38,8 +38,10 @@ import keras
 import numpy as np
 import torch
 
+from custom_fit.backend import _torch_compile
 from custom_fit.backend import _torch_processes
 from custom_fit.backend._dense import build_batch  # noqa: F401
+from custom_fit.backend._dense import check_compile  # noqa: F401
 from custom_fit.backend._dense import check_recorded_loss  # noqa: F401
 from custom_fit.backend._dense import deduplicate  # noqa: F401
 from custom_fit.backend._dense import dense  # noqa: F401
@@ -258,7 +260,8 @@ def intermediate_gradients(
     See `custom_fit.backend.tensorflow.intermediate_gradients`: here one
     `torch.autograd.grad` with respect to the watched tensors, which are
     nodes of the graph already (a tensor that does not require gradients
-    gets zeros).
+    gets zeros). The forward passes inside run eagerly: a compiled one
+    (`jit_compile=True`) would not see the tensors watched inside it.
     """
     watched: list[Any] = []
 
@@ -266,7 +269,7 @@ def intermediate_gradients(
         watched.append(tensor)
         return tensor
 
-    with torch.enable_grad():
+    with torch.enable_grad(), _torch_compile.eager("watches tensors inside"):
         value, aux = function(watch)
         wanted = [i for i, t in enumerate(watched) if t.requires_grad]
         found: Sequence[Any] = ()
@@ -308,7 +311,7 @@ def apply_gradients(
     """
     del tracked
     with torch.no_grad():
-        optimizer.apply(list(gradients), list(variables))
+        _torch_compile.apply(optimizer, list(gradients), list(variables))
 
 
 def assign_variables(variables: Sequence[Any], values: Sequence[Any]) -> None:
@@ -405,27 +408,26 @@ def make_step_function(
     build_keras_function: Callable[[], Any],
     own_state: Callable[[], list[Any]],
 ) -> Any:
-    """Returns Keras' function, data parallel over `torch.distributed`."""
-    return _torch_processes.ProcessStep(
-        model, kind, build_keras_function(), own_state
-    )
+    """Returns the train or test function, data parallel over processes.
 
-
-def check_compile(jit_compile: Any) -> None:
-    """Raises for `jit_compile=True`, which means `torch.compile` here.
-
-    A custom_fit step under `torch.compile` gave the weights of the eager
-    step, but broke into many graphs (each host-read condition is a graph
-    break) and ran slower than eager: see BUILD_NOTES, "PyTorch".
+    Keras' own, or with `jit_compile=True` one whose forward pass is
+    compiled (`_torch_compile`) rather than the whole step.
     """
-    if jit_compile is True:
-        raise ValueError(
-            "custom_fit runs the PyTorch step eagerly: `jit_compile=True` "
-            "(torch.compile) splits custom_fit's step into many graphs and "
-            "measured slower than eager, so it is refused. Received: "
-            "jit_compile=True with KERAS_BACKEND='torch'. Leave jit_compile "
-            "at its default ('auto', eager on PyTorch) or set it to False."
-        )
+    if model.jit_compile is True:
+        function = _torch_compile.step_function(model, kind)
+    else:
+        function = build_keras_function()
+    return _torch_processes.ProcessStep(model, kind, function, own_state)
+
+
+def forward(
+    model: Any, call: Callable[..., Any], x: Any, training: bool
+) -> Any:
+    """Returns `call(model, x, training=training)`.
+
+    Under `torch.compile` with `jit_compile=True` (see `_torch_compile`).
+    """
+    return _torch_compile.forward(model, call, x, training)
 
 
 class TrainerHooks:

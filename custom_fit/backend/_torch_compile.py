@@ -1,0 +1,147 @@
+"""`jit_compile=True` on PyTorch: forward pass and update compiled.
+
+The forward pass and the optimizer's update run under `torch.compile`.
+
+Keras' PyTorch trainer compiles its whole train step with `torch.compile`
+when `jit_compile=True`. custom_fit's step reads conditions on the host
+(the guard's verdict, the spike rule, inspection's schedule) and keeps
+Python state between steps; compiled whole, it broke into about 50 graphs
+and took 112 s to compile on a small MLP here. What pays is the model's
+own compute and the optimizer's: the forward pass (and, through
+AOTAutograd, its backward, which `torch.autograd.grad` then runs) and
+`optimizer.apply`. So with `jit_compile=True` the train and test functions
+run custom_fit's step eagerly around a compiled forward pass (one compiled
+function per model and `training` flag) and a compiled update (one per
+optimizer); `predict` is Keras' own (its whole step compiled, as for any
+Keras model). Measured on the seed MLP (BUILD_NOTES, "PyTorch over
+several processes, and `jit_compile=True`").
+
+Two parts run their forward pass eagerly, with one warning per model
+that names them: inside `torch.func` transforms (DP-SGD's vectorized
+per-example gradients), and where a pass watches tensors inside the model
+(`intermediate_gradients`: DP-SGD's ghost clipping records each layer's
+inputs; a compiled forward pass hid them, and the clipped sums were wrong,
+weights 6e-3 off after 8 steps).
+"""
+
+import contextlib
+import functools
+import threading
+import warnings
+import weakref
+from collections.abc import Callable
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+_LOCAL = threading.local()
+
+# model -> {training: compiled call}, dropped with the model.
+_COMPILED: "weakref.WeakKeyDictionary[Any, dict[bool, Any]]" = (
+    weakref.WeakKeyDictionary()
+)
+
+
+# Models already warned of an eager part: model -> the parts named.
+_WARNED: "weakref.WeakKeyDictionary[Any, set[str]]" = (
+    weakref.WeakKeyDictionary()
+)
+
+
+@contextlib.contextmanager
+def eager(reason: str) -> Iterator[None]:
+    """Runs the forward passes inside the block eagerly, for `reason`."""
+    before = getattr(_LOCAL, "eager", None)
+    _LOCAL.eager = reason
+    try:
+        yield
+    finally:
+        _LOCAL.eager = before
+
+
+def _eager_reason() -> str | None:
+    """Why the forward pass must run eagerly here, or `None`."""
+    if getattr(_LOCAL, "eager", None):
+        return str(_LOCAL.eager)
+    if torch._C._functorch.peek_interpreter_stack():
+        return "runs under a torch.func transform (vmap, grad)"
+    return None
+
+
+def _warn_once(model: Any, reason: str) -> None:
+    named = _WARNED.setdefault(model, set())
+    if reason in named:
+        return
+    named.add(reason)
+    warnings.warn(
+        f"jit_compile=True on PyTorch: a forward pass of {model.name!r} "
+        f"runs eagerly, because it {reason} (DP-SGD's per-example "
+        "clipping does); the rest of the step's forward passes are "
+        "compiled.",
+        UserWarning,
+        stacklevel=4,
+    )
+
+
+def forward(
+    model: Any, call: Callable[..., Any], x: Any, training: bool
+) -> Any:
+    """Returns `call(model, x, training=training)`, compiled if asked.
+
+    Compiled (`torch.compile`) when the model was compiled with
+    `jit_compile=True`, outside `torch.func` transforms.
+    """
+    if model.jit_compile is not True:
+        return call(model, x, training=training)
+    reason = _eager_reason()
+    if reason is not None:
+        _warn_once(model, reason)
+        return call(model, x, training=training)
+    compiled = _COMPILED.setdefault(model, {})
+    if training not in compiled:
+        compiled[training] = torch.compile(
+            functools.partial(call, model, training=training)
+        )
+    return compiled[training](x)
+
+
+_APPLY: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+
+
+def apply(optimizer: Any, gradients: list[Any], variables: list[Any]) -> None:
+    """Runs `optimizer.apply`, compiled in a compiled step.
+
+    Compiled inside a train function of `step_function` (a model with
+    `jit_compile=True`).
+    """
+    if not getattr(_LOCAL, "compiled_step", False):
+        optimizer.apply(gradients, variables)
+        return
+    if optimizer not in _APPLY:
+        _APPLY[optimizer] = torch.compile(optimizer.apply)
+    _APPLY[optimizer](gradients, variables)
+
+
+def step_function(model: Any, kind: str) -> Callable[[Any], Any]:
+    """The train or test function of a model compiled with `jit_compile`.
+
+    What Keras' PyTorch trainer runs (one batch per call), without
+    compiling the whole step: `forward` compiles the model's part.
+    """
+    if kind == "train":
+
+        def train_function(data: Any) -> Any:
+            _LOCAL.compiled_step = True
+            try:
+                return model.train_step(data[0])
+            finally:
+                _LOCAL.compiled_step = False
+
+        return train_function
+
+    def test_function(data: Any) -> Any:
+        with torch.no_grad():
+            return model.test_step(data[0])
+
+    return test_function

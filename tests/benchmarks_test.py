@@ -28,7 +28,9 @@ class BenchmarkSmokeTest(testing.TestCase):
                 "--rounds=1",
                 "--steps=2",
                 "--steps_per_execution=1",
-                "--jit_compile=true",
+                # On PyTorch eager: compiling costs seconds per model.
+                "--jit_compile="
+                + ("false" if testing.BACKEND == "torch" else "true"),
                 "--configurations=keras,stacked",
                 *(["--memory"] if memory else []),
             ],

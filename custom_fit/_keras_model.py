@@ -22,6 +22,7 @@ from typing import TypeVar
 
 import keras
 
+from custom_fit import _fit_data
 from custom_fit import _fit_logs
 from custom_fit import _keras_compat
 from custom_fit import _model_state
@@ -252,6 +253,7 @@ class KerasModel(_ModelBase):
         _step_functions.forget_last_call(self)
         arguments = dict(KERAS_FIT.bind(self, *args, **kwargs).arguments)
         del arguments["self"]
+        backend.current().check_equal_batches(_fit_data.fit_batches(arguments))
         callbacks = arguments.get("callbacks")
         if not isinstance(callbacks, keras.callbacks.CallbackList):
             arguments["callbacks"] = self._fit_callbacks(

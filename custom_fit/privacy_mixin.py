@@ -1,15 +1,14 @@
 """`DifferentialPrivacyMixin`: DP-SGD inside `fit`."""
 
-import math
 import warnings
 from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
 
 import keras
-import numpy as np
 from keras import ops
 
+from custom_fit import _fit_data
 from custom_fit import _ghost_layers
 from custom_fit import _keras_compat
 from custom_fit import _keras_model
@@ -85,17 +84,16 @@ def _training_run(
         if per_epoch is None and hasattr(x, "__len__"):
             per_epoch = len(x)  # type: ignore[arg-type]
         described = f"a {type(x).__name__} of {sampling!r} batches"
-    elif _is_arrays(x):
+    elif _fit_data.is_arrays(x):
         sampling = "shuffle"
-        batch_size = arguments.get("batch_size") or 32
-        num_examples = int(np.shape(keras.tree.flatten(x)[0])[0])
-        split = arguments.get("validation_split") or 0.0
-        if split:
-            num_examples = int(math.floor(num_examples * (1.0 - split)))
-        # Keras' batches hold all the data when the batch size exceeds it.
-        batch_size = min(batch_size, num_examples)
+        num_examples = _fit_data.array_examples(
+            x, arguments.get("validation_split")
+        )
+        batch_size, batches = _fit_data.array_batches(
+            num_examples, arguments.get("batch_size")
+        )
         if per_epoch is None:
-            per_epoch = -(-num_examples // batch_size)
+            per_epoch = batches
         described = f"arrays in batches of batch_size={batch_size}"
     else:
         sampling = batch_size = num_examples = None
@@ -143,18 +141,6 @@ def _across_processes(run: privacy.TrainingRun) -> privacy.TrainingRun:
         int(round(float(examples))),
         run.steps,
         f"{run.described} in each of {processes} processes",
-    )
-
-
-def _is_arrays(x: Any) -> bool:
-    """Returns whether `x` is an array or a structure of arrays.
-
-    Data objects (datasets, generators, `PyDataset`s) are not.
-    """
-    flat = keras.tree.flatten(x) if x is not None else []
-    return bool(flat) and all(
-        isinstance(item, np.ndarray) or hasattr(item, "__array__")
-        for item in flat
     )
 
 

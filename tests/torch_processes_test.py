@@ -217,6 +217,21 @@ class TorchProcessesTest(testing.TestCase):
         self.assertEqual(float(self.saved["single"]["refused/poisson"]), 0)
         self.assertIn("dp_calibrated", self.configurations())
 
+    def test_unequal_batch_counts_are_refused_before_the_first_step(self):
+        """Shares of 4 and 2 batches per epoch: `fit` raises in both
+        processes before any step (not a hang in a collective); one process
+        trains."""
+        for label in ("process_0", "process_1"):
+            self.assertEqual(float(self.saved[label]["refused/unequal"]), 1)
+        self.assertEqual(float(self.saved["single"]["refused/unequal"]), 0)
+
+    def test_a_killed_process_ends_the_run(self):
+        """Process 1 dies at its third batch of a 20-epoch fit: the run ends
+        with an error well within its timeout, not a hang."""
+        with self.assertRaisesRegex(AssertionError, "failed") as caught:
+            _torchrun(f"--output_dir={self.output_dir}", "--kill_rank=1")
+        self.assertNotIn("timed out", str(caught.exception))
+
     def test_processes_hold_the_same_model(self):
         """After every step the processes hold the same model, batch
         normalization's moving statistics included (averaged over the

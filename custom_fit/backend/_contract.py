@@ -169,6 +169,14 @@ class Adapter(Protocol):
         """The index of this process among `process_count()` (0 for one)."""
         ...
 
+    def check_equal_batches(self, counts: dict[str, int | None]) -> None:
+        """Raises unless every process runs as many batches per epoch.
+
+        `counts` maps a data name to this process' batches per epoch
+        (`None`: unknown). Only over `torch.distributed` processes.
+        """
+        ...
+
     def data_callbacks(self, x: Any) -> list[Any]:
         """Callbacks `fit` adds for its data `x` (a sampler's epoch)."""
         ...

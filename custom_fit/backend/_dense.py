@@ -96,6 +96,11 @@ def process_index() -> int:
     return 0
 
 
+def check_equal_batches(counts: dict[str, int | None]) -> None:
+    """Does nothing: one process runs every batch."""
+    del counts
+
+
 def data_callbacks(x: Any) -> list[Any]:
     """Returns no callback: the data needs none."""
     del x

@@ -51,6 +51,7 @@ from custom_fit.backend._dense import all_reduce_sum  # noqa: F401
 from custom_fit.backend._dense import batch_gradients  # noqa: F401
 from custom_fit.backend._dense import build_batch  # noqa: F401
 from custom_fit.backend._dense import check_compile  # noqa: F401
+from custom_fit.backend._dense import check_equal_batches  # noqa: F401
 from custom_fit.backend._dense import check_recorded_loss  # noqa: F401
 from custom_fit.backend._dense import data_callbacks  # noqa: F401
 from custom_fit.backend._dense import deduplicate  # noqa: F401

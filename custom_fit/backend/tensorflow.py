@@ -296,6 +296,11 @@ def process_index() -> int:
     return 0
 
 
+def check_equal_batches(counts: dict[str, int | None]) -> None:
+    """Does nothing: `tf.distribute` feeds every replica from one data."""
+    del counts
+
+
 def data_callbacks(x: Any) -> list[Any]:
     """Returns no callback: `tf.distribute` shards the data itself."""
     del x

@@ -31,6 +31,9 @@ import custom_fit  # noqa: E402
 
 _OUTPUT_DIR = flags.DEFINE_string("output_dir", None, "Where to save.")
 _ONLY = flags.DEFINE_list("only", None, "Run only these configurations.")
+_KILL_RANK = flags.DEFINE_integer(
+    "kill_rank", None, "Only fit, and kill this process at its 3rd batch."
+)
 flags.mark_flag_as_required("output_dir")
 
 SAMPLES = 119  # global batches of 32, 32, 32 and 23
@@ -231,6 +234,43 @@ def fit_extras(name, label):
     }
 
 
+def unequal_refused(x, y, rank, world):
+    """Whether `fit` refuses shares of unequal batch counts before its first
+    step (process 0 gets 4 batches of 16, the others 2)."""
+    model = network(Net, 0, global_clipnorm=1.0)
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    rows = 64 if rank == 0 else 32
+    try:
+        model.fit(x[:rows], y[:rows], batch_size=16, epochs=1, verbose=0)
+    except ValueError as error:
+        assert "training batches per epoch" in str(error), error
+        return True
+    return False
+
+
+class _Kill(keras.callbacks.Callback):
+    """Ends this process abruptly at its third batch."""
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if batch == 2:
+            os._exit(3)
+
+
+def fit_then_die(x, y, rank, world):
+    """Fits for 20 epochs; process `--kill_rank` dies at its third batch."""
+    model = network(Net, rank, global_clipnorm=1.0)
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    callbacks = [_Kill()] if rank == _KILL_RANK.value else []
+    model.fit(
+        x[rank::world],
+        y[rank::world],
+        batch_size=GLOBAL_BATCH // world,
+        epochs=20,
+        verbose=0,
+        callbacks=callbacks,
+    )
+
+
 def poisson_refused(x, y, rank, world):
     """Whether private training on a `PoissonSampler` is refused (it is over
     several processes: their draws together are no single Poisson draw)."""
@@ -268,6 +308,9 @@ def main(argv):
             torch.distributed.get_rank(),
         )
     x, y = data()
+    if _KILL_RANK.value is not None:
+        fit_then_die(x, y, rank, world)
+        return
     x_val, y_val = data(samples=37, seed=1)
     label = "single" if world == 1 else f"process_{rank}"
     saved = {}
@@ -299,6 +342,7 @@ def main(argv):
             saved[f"{name}/history/{key}"] = np.asarray(values)
         print(name, "done", flush=True)
     saved["refused/poisson"] = np.float32(poisson_refused(x, y, rank, world))
+    saved["refused/unequal"] = np.float32(unequal_refused(x, y, rank, world))
     np.savez(os.path.join(_OUTPUT_DIR.value, f"{label}.npz"), **saved)
     if world > 1:
         torch.distributed.destroy_process_group()

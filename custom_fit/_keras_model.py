@@ -242,7 +242,10 @@ class KerasModel(_ModelBase):
         out the figures of one step (`grad_norm_step`), and the progress
         bar shows the logs `progress_bar_logs` selects. On PyTorch, a
         `DataLoader` whose sampler has `set_epoch` (a
-        `DistributedSampler`) is told each epoch's index before the epoch.
+        `DistributedSampler`) is told each epoch's index before the epoch,
+        and over several processes Keras' writing callbacks
+        (`ModelCheckpoint`, `CSVLogger`, `TensorBoard`) run in the first
+        process only (every process holds the same model and logs).
 
         Returns:
             A `History` object, as `keras.Model.fit` returns.
@@ -257,8 +260,9 @@ class KerasModel(_ModelBase):
         callbacks = arguments.get("callbacks")
         if not isinstance(callbacks, keras.callbacks.CallbackList):
             arguments["callbacks"] = self._fit_callbacks(
-                list(callbacks or [])
-                + backend.current().data_callbacks(arguments.get("x")),
+                backend.current().fit_callbacks(
+                    list(callbacks or []), arguments.get("x")
+                ),
                 arguments.get("verbose", "auto"),
             )
         history = super().fit(**arguments)

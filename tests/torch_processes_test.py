@@ -10,9 +10,11 @@ import os
 import socket
 import tempfile
 
+import keras
 import numpy as np
 import pytest
 
+import custom_fit
 from tests import testing
 
 _SCRIPT = os.path.join(
@@ -21,6 +23,15 @@ _SCRIPT = os.path.join(
 _TIMEOUT = 300  # seconds for a whole run, processes included
 # Each process normalizes by its own batch: these differ from one process.
 _PER_PROCESS_STATISTICS = ("batch_normalization",)
+
+
+class _Net(
+    custom_fit.GradientClippingMixin,
+    custom_fit.GradientInspectionMixin,
+    custom_fit.RegularizationMixin,
+    keras.Model,
+):
+    """The script's `Net`, to load its checkpoint."""
 
 
 def _free_port():
@@ -206,6 +217,38 @@ class TorchProcessesTest(testing.TestCase):
             [v for _, v in read["single"]],
             atol=1e-6,
         )
+
+    def test_keras_writing_callbacks_write_in_the_first_process_only(self):
+        """`CSVLogger` and `ModelCheckpoint` given to both processes write
+        from process 0 only: its CSV rows equal one process' (1e-6), and
+        its checkpoint loads with the final weights of both processes."""
+        directory = self.output_dir
+        for name in ("log_process_1.csv", "checkpoint_process_1.keras"):
+            self.assertFalse(os.path.exists(os.path.join(directory, name)))
+        rows = {
+            label: np.genfromtxt(
+                os.path.join(directory, f"log_{label}.csv"),
+                delimiter=",",
+                names=True,
+            )
+            for label in ("process_0", "single")
+        }
+        self.assertEqual(
+            rows["process_0"].dtype.names, rows["single"].dtype.names
+        )
+        for name in rows["single"].dtype.names:
+            self.assertAllClose(
+                rows["process_0"][name], rows["single"][name], atol=1e-6
+            )
+        loaded = keras.saving.load_model(
+            os.path.join(directory, "checkpoint_process_0.keras"),
+            custom_objects={"Net": _Net},
+        )
+        prefix = "clipping_inspection_l2/weight_"
+        for i, weight in enumerate(loaded.get_weights()):
+            self.assertAllClose(
+                weight, self.saved["process_1"][f"{prefix}{i}"], atol=0
+            )
 
     def test_poisson_batches_are_refused_over_processes(self):
         """Private training on a `PoissonSampler` is refused in each of two

@@ -177,8 +177,12 @@ class Adapter(Protocol):
         """
         ...
 
-    def data_callbacks(self, x: Any) -> list[Any]:
-        """Callbacks `fit` adds for its data `x` (a sampler's epoch)."""
+    def fit_callbacks(self, callbacks: list[Any], x: Any) -> list[Any]:
+        """The callbacks `fit` runs, from the user's and its data `x`.
+
+        Over several PyTorch processes: a sampler's `set_epoch` added, and
+        Keras' writing callbacks kept in the first process only.
+        """
         ...
 
     def on_first_replica(self, value: Any) -> Any:

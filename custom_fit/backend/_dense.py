@@ -80,33 +80,6 @@ def summed_count(count: Any) -> Any:
     return count
 
 
-def summed_results(variables: Sequence[Any], compute: Callable[[], Any]) -> Any:
-    """Returns `compute()`: the metric states are the global batch's."""
-    del variables
-    return compute()
-
-
-def process_count() -> int:
-    """Returns 1: `fit`'s data in each process is the global data."""
-    return 1
-
-
-def process_index() -> int:
-    """Returns 0: see `process_count`."""
-    return 0
-
-
-def check_equal_batches(counts: dict[str, int | None]) -> None:
-    """Does nothing: one process runs every batch."""
-    del counts
-
-
-def data_callbacks(x: Any) -> list[Any]:
-    """Returns no callback: the data needs none."""
-    del x
-    return []
-
-
 def on_first_replica(value: Any) -> Any:
     """Returns `value`: there is one replica."""
     return value
@@ -164,16 +137,6 @@ def dense(gradient: Any) -> Any:
 
 
 # Every `compile` setting runs.
-
-
-def forward(
-    model: Any, call: Callable[..., Any], x: Any, training: bool
-) -> Any:
-    """Returns `call(model, x, training=training)`.
-
-    Keras compiles the step (`jax.jit`) with its forward pass.
-    """
-    return call(model, x, training=training)
 
 
 def check_compile(jit_compile: Any) -> None:

@@ -214,19 +214,34 @@ class _SamplerEpoch(keras.callbacks.Callback):
         self.sampler.set_epoch(epoch)
 
 
-def data_callbacks(x: Any) -> list[Any]:
-    """Returns the callbacks `fit` adds for its data `x`.
+# Keras' callbacks that write files: run by the first process only.
+_WRITERS = (
+    keras.callbacks.ModelCheckpoint,
+    keras.callbacks.CSVLogger,
+    keras.callbacks.TensorBoard,
+)
 
-    For a `DataLoader` whose sampler has `set_epoch`, one that calls it
-    before each epoch: a `DistributedSampler` then shuffles each epoch
-    differently, the same way in every process.
+
+def fit_callbacks(callbacks: list[Any], x: Any) -> list[Any]:
+    """Returns the callbacks `fit` runs.
+
+    For a `DataLoader` whose sampler has `set_epoch`, one is added that
+    calls it before each epoch: a `DistributedSampler` then shuffles each
+    epoch differently, the same way in every process. Over several
+    processes, Keras' writing callbacks (`ModelCheckpoint`, `CSVLogger`,
+    `TensorBoard`) are left out in all but the first: every process holds
+    the same model and logs, and one copy of each file is written.
+    `BackupAndRestore` runs in every process (each must restore the same
+    epoch).
     """
+    if world_size() > 1 and _rank() != 0:
+        callbacks = [c for c in callbacks if not isinstance(c, _WRITERS)]
     sampler = getattr(x, "sampler", None)
     if isinstance(x, torch.utils.data.DataLoader) and hasattr(
         sampler, "set_epoch"
     ):
-        return [_SamplerEpoch(sampler)]
-    return []
+        callbacks = [*callbacks, _SamplerEpoch(sampler)]
+    return callbacks
 
 
 def check_equal_batches(counts: dict[str, int | None]) -> None:

@@ -51,27 +51,27 @@ from custom_fit.backend._dense import all_reduce_sum  # noqa: F401
 from custom_fit.backend._dense import batch_gradients  # noqa: F401
 from custom_fit.backend._dense import build_batch  # noqa: F401
 from custom_fit.backend._dense import check_compile  # noqa: F401
-from custom_fit.backend._dense import check_equal_batches  # noqa: F401
 from custom_fit.backend._dense import check_recorded_loss  # noqa: F401
-from custom_fit.backend._dense import data_callbacks  # noqa: F401
 from custom_fit.backend._dense import deduplicate  # noqa: F401
 from custom_fit.backend._dense import dense  # noqa: F401
 from custom_fit.backend._dense import dense_size  # noqa: F401
 from custom_fit.backend._dense import divisible_first_axis  # noqa: F401
-from custom_fit.backend._dense import forward  # noqa: F401
 from custom_fit.backend._dense import is_sparse  # noqa: F401
 from custom_fit.backend._dense import map_values  # noqa: F401
 from custom_fit.backend._dense import normal  # noqa: F401
 from custom_fit.backend._dense import on_first_replica  # noqa: F401
-from custom_fit.backend._dense import process_count  # noqa: F401
-from custom_fit.backend._dense import process_index  # noqa: F401
 from custom_fit.backend._dense import recorded_gradients  # noqa: F401
 from custom_fit.backend._dense import reducible_logs  # noqa: F401
 from custom_fit.backend._dense import replica_count  # noqa: F401
 from custom_fit.backend._dense import scaled  # noqa: F401
 from custom_fit.backend._dense import squared_sums  # noqa: F401
 from custom_fit.backend._dense import summed_count  # noqa: F401
-from custom_fit.backend._dense import summed_results  # noqa: F401
+from custom_fit.backend._global_data import check_equal_batches  # noqa: F401
+from custom_fit.backend._global_data import fit_callbacks  # noqa: F401
+from custom_fit.backend._global_data import forward  # noqa: F401
+from custom_fit.backend._global_data import process_count  # noqa: F401
+from custom_fit.backend._global_data import process_index  # noqa: F401
+from custom_fit.backend._global_data import summed_results  # noqa: F401
 
 _LOCAL = threading.local()
 

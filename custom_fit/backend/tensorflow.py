@@ -17,6 +17,12 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from custom_fit.backend._global_data import check_equal_batches  # noqa: F401
+from custom_fit.backend._global_data import fit_callbacks  # noqa: F401
+from custom_fit.backend._global_data import forward  # noqa: F401
+from custom_fit.backend._global_data import process_count  # noqa: F401
+from custom_fit.backend._global_data import process_index  # noqa: F401
+from custom_fit.backend._global_data import summed_results  # noqa: F401
 from custom_fit.backend._stateful import after_state_sync  # noqa: F401
 from custom_fit.backend._stateful import make_step_function  # noqa: F401
 from custom_fit.backend._stateful import write_latest  # noqa: F401
@@ -278,33 +284,6 @@ def batch_gradients(gradients: Sequence[Any]) -> list[Any]:
 def summed_count(count: Any) -> Any:
     """Returns a replica's count of examples times the replica count."""
     return count * replica_count()
-
-
-def summed_results(variables: Sequence[Any], compute: Callable[[], Any]) -> Any:
-    """Returns `compute()`: Keras' metric variables are summed on read."""
-    del variables
-    return compute()
-
-
-def process_count() -> int:
-    """Returns 1: `tf.distribute` shards the global data itself."""
-    return 1
-
-
-def process_index() -> int:
-    """Returns 0: see `process_count`."""
-    return 0
-
-
-def check_equal_batches(counts: dict[str, int | None]) -> None:
-    """Does nothing: `tf.distribute` feeds every replica from one data."""
-    del counts
-
-
-def data_callbacks(x: Any) -> list[Any]:
-    """Returns no callback: `tf.distribute` shards the data itself."""
-    del x
-    return []
 
 
 def on_first_replica(value: Any) -> Any:
@@ -614,17 +593,6 @@ def check_strategy() -> None:
             f"strategy={type(strategy).__name__}. Use MirroredStrategy or "
             "MultiWorkerMirroredStrategy instead."
         )
-
-
-def forward(
-    model: Any, call: Callable[..., Any], x: Any, training: bool
-) -> Any:
-    """Returns `call(model, x, training=training)`.
-
-    Keras compiles the whole step (`tf.function`, XLA) with its forward
-    pass.
-    """
-    return call(model, x, training=training)
 
 
 def check_compile(jit_compile: Any) -> None:

@@ -58,7 +58,7 @@ from custom_fit.backend._stateful import write_latest  # noqa: F401
 from custom_fit.backend._torch_processes import all_reduce_sum  # noqa: F401
 from custom_fit.backend._torch_processes import batch_gradients  # noqa: F401
 from custom_fit.backend._torch_processes import check_equal_batches  # noqa: F401
-from custom_fit.backend._torch_processes import data_callbacks  # noqa: F401
+from custom_fit.backend._torch_processes import fit_callbacks  # noqa: F401
 from custom_fit.backend._torch_processes import on_first_replica  # noqa: F401
 from custom_fit.backend._torch_processes import process_index  # noqa: F401
 from custom_fit.backend._torch_processes import summed_count  # noqa: F401

@@ -93,6 +93,16 @@ def configurations():
     sgd = lambda: keras.optimizers.SGD(0.1)  # noqa: E731
     adam = lambda: keras.optimizers.Adam(0.05)  # noqa: E731
 
+    def plain_sgd():
+        return dict(optimizer=sgd(), loss=loss)
+
+    def private(**options):
+        """DP-SGD with noise: clip 2.5, noise 1.0 (unless given), seed 3."""
+        options = {"noise_multiplier": 1.0, **options}
+        return lambda seed: network(
+            Private, seed, l2_norm_clip=2.5, noise_seed=3, **options
+        )
+
     def nan_in_batch_one(x):
         x = x.copy()
         x[GLOBAL_BATCH + 3, 0] = np.nan  # one row, so one process' shard
@@ -167,26 +177,11 @@ def configurations():
             dict(optimizer=sgd(), loss=loss),
             None,
         ),
-        "dp_ghost": (
-            lambda seed: network(
-                Private,
-                seed,
-                l2_norm_clip=2.5,
-                noise_multiplier=1.0,
-                noise_seed=3,
-                clipping_method="ghost",
-            ),
-            dict(optimizer=sgd(), loss=loss),
-            None,
-        ),
+        "dp_ghost": (private(clipping_method="ghost"), plain_sgd(), None),
         "dp_calibrated": (
             # Calibrated for the global run: shuffled batches of 32 of 119
             # examples, which the processes' shards make together.
-            lambda seed: network(
-                Private,
-                seed,
-                l2_norm_clip=2.5,
-                noise_seed=3,
+            private(
                 noise_multiplier=custom_fit.privacy.calibrate_noise(
                     target_epsilon=3.0,
                     delta=1e-3,
@@ -196,19 +191,12 @@ def configurations():
                     sampling="shuffle",
                 ),
             ),
-            dict(optimizer=sgd(), loss=loss),
+            plain_sgd(),
             None,
         ),
         "dp_vectorized": (
-            lambda seed: network(
-                Private,
-                seed,
-                l2_norm_clip=2.5,
-                noise_multiplier=1.0,
-                noise_seed=3,
-                clipping_method="vectorized",
-            ),
-            dict(optimizer=sgd(), loss=loss),
+            private(clipping_method="vectorized"),
+            plain_sgd(),
             None,
         ),
     }
@@ -217,8 +205,9 @@ def configurations():
 def fit_extras(name, label):
     """`fit`'s epochs and callbacks: 2 epochs; for the first configuration
     up to 12, stopped by `EarlyStopping` on `val_loss` (every process must
-    stop at the same epoch), with `GradientTensorBoard` writing to
-    `tb_<label>` (only the first process writes)."""
+    stop at the same epoch), with `GradientTensorBoard`, `CSVLogger` and
+    `ModelCheckpoint` writing to `tb_<label>`, `log_<label>.csv` and
+    `checkpoint_<label>.keras` (only the first process writes)."""
     if name != "clipping_inspection_l2":
         return {"epochs": 2}
     return {
@@ -229,6 +218,12 @@ def fit_extras(name, label):
             ),
             custom_fit.callbacks.GradientTensorBoard(
                 os.path.join(_OUTPUT_DIR.value, f"tb_{label}")
+            ),
+            keras.callbacks.CSVLogger(
+                os.path.join(_OUTPUT_DIR.value, f"log_{label}.csv")
+            ),
+            keras.callbacks.ModelCheckpoint(
+                os.path.join(_OUTPUT_DIR.value, f"checkpoint_{label}.keras")
             ),
         ],
     }

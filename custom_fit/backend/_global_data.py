@@ -1,0 +1,50 @@
+"""Shared parts of the adapters whose `fit` sees the global data (TF, JAX).
+
+`tf.distribute` and `keras.distribution` feed the step the global batch
+(or shard it themselves), so there are no per-process shares to compare,
+no per-process metric states to sum, and Keras compiles the whole step,
+forward pass included. See `_contract.Adapter` for each name; PyTorch's
+counterparts are in `_torch_processes` and `_torch_compile`.
+"""
+
+from collections.abc import Callable
+from collections.abc import Sequence
+from typing import Any
+
+
+def summed_results(variables: Sequence[Any], compute: Callable[[], Any]) -> Any:
+    """Returns `compute()`: the metric states are the global batch's."""
+    del variables
+    return compute()
+
+
+def process_count() -> int:
+    """Returns 1: `fit`'s data in each process is the global data."""
+    return 1
+
+
+def process_index() -> int:
+    """Returns 0: see `process_count`."""
+    return 0
+
+
+def check_equal_batches(counts: dict[str, int | None]) -> None:
+    """Does nothing: no process runs a share of its own."""
+    del counts
+
+
+def fit_callbacks(callbacks: list[Any], x: Any) -> list[Any]:
+    """Returns `callbacks`: the data and the processes need no other."""
+    del x
+    return callbacks
+
+
+def forward(
+    model: Any, call: Callable[..., Any], x: Any, training: bool
+) -> Any:
+    """Returns `call(model, x, training=training)`.
+
+    Keras compiles the whole step (`tf.function`, XLA, `jax.jit`) with its
+    forward pass.
+    """
+    return call(model, x, training=training)

@@ -256,7 +256,11 @@ class KerasModel(_ModelBase):
         _step_functions.forget_last_call(self)
         arguments = dict(KERAS_FIT.bind(self, *args, **kwargs).arguments)
         del arguments["self"]
-        backend.current().check_equal_batches(_fit_data.fit_batches(arguments))
+        if backend.current().process_count() > 1:
+            # Each process fits its own share (PyTorch): equal batch counts.
+            backend.current().check_equal_batches(
+                _fit_data.fit_batches(arguments)
+            )
         callbacks = arguments.get("callbacks")
         if not isinstance(callbacks, keras.callbacks.CallbackList):
             arguments["callbacks"] = self._fit_callbacks(
@@ -269,6 +273,29 @@ class KerasModel(_ModelBase):
         # The streak of skipped steps of the last call, read one call late.
         _step_functions.check_last_call(self)
         return history
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> Any:
+        """Evaluates the model: `keras.Model.evaluate`, same arguments.
+
+        Over several PyTorch processes, each evaluating its share, the
+        processes' batch counts are compared first (unequal ones are
+        refused: the metrics are summed over the processes at every batch).
+
+        Returns:
+            What `keras.Model.evaluate` returns.
+        """
+        if backend.current().process_count() > 1:
+            arguments = KERAS_EVALUATE.bind(self, *args, **kwargs).arguments
+            backend.current().check_equal_batches(
+                {
+                    "evaluation": _fit_data.batches_per_epoch(
+                        arguments.get("x"),
+                        arguments.get("batch_size"),
+                        arguments.get("steps"),
+                    )
+                }
+            )
+        return super().evaluate(*args, **kwargs)
 
     def _fit_callbacks(
         self, callbacks: list[Any], verbose: Any
@@ -400,6 +427,7 @@ _LOGS_DEFERRED = threading.local()
 
 # The signature of Keras' `fit`, `self` included.
 KERAS_FIT = inspect.signature(keras.Model.fit)
+KERAS_EVALUATE = inspect.signature(keras.Model.evaluate)
 
 
 def _keras_property(model: Any, name: str) -> property:

@@ -101,6 +101,13 @@ CONFIGURATIONS = (
     ),
     ("sam", lambda: network(Sam, sam_rho=0.05), 1),
     (
+        "input_gradient_penalty",
+        lambda: network(
+            Guarded, input_gradient_penalty=1e-3, global_clipnorm=1.0
+        ),
+        1,
+    ),
+    (
         "pcgrad",
         lambda: network(
             Projected, outputs=2, per_loss_gradients="outputs", pcgrad_seed=1
@@ -181,8 +188,41 @@ class TorchCompileTest(testing.TestCase):
         eager_parts = [w for w in compiled["warnings"] if "runs eagerly" in w]
         if isinstance(compiled["model"], Private):
             self.assertLen(eager_parts, 1)
+        elif getattr(compiled["model"], "input_gradient_penalty", None):
+            self.assertLen(eager_parts, 1)  # differentiated twice
         else:
             self.assertEmpty(eager_parts)
+
+    def test_compiled_functions_go_with_their_model(self):
+        """A model compiled with `jit_compile=True` is freed when dropped
+        (its compiled functions are kept on it, not in a global table), and
+        a ninth model still compiles (each has its own code objects, so
+        dynamo's recompilation limit of 8 is not shared)."""
+        import gc
+        import weakref
+
+        from torch._dynamo.utils import counters
+
+        x, y = data()
+        references = []
+        graphs = []
+        for _ in range(9):
+            model = network(Guarded, global_clipnorm=1.0)
+            model.compile(
+                optimizer="sgd",
+                loss="sparse_categorical_crossentropy",
+                jit_compile=True,
+            )
+            model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+            references.append(weakref.ref(model))
+            graphs.append(counters["stats"]["unique_graphs"])
+            compiled = model.__dict__["_custom_fit_compiled"]
+        self.assertIn("forward_True", compiled)
+        # Each model, the ninth included, compiled graphs of its own.
+        self.assertTrue(all(b > a for a, b in zip(graphs, graphs[1:])), graphs)
+        del model, compiled
+        gc.collect()
+        self.assertTrue(all(r() is None for r in references))
 
     def test_keras_code_with_jit_compile_runs_unchanged(self):
         """Code written for plain Keras (`compile(jit_compile=True)`, then

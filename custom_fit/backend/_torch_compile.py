@@ -25,8 +25,8 @@ weights 6e-3 off after 8 steps).
 """
 
 import contextlib
-import functools
 import threading
+import types
 import warnings
 import weakref
 from collections.abc import Callable
@@ -37,10 +37,6 @@ import torch
 
 _LOCAL = threading.local()
 
-# model -> {training: compiled call}, dropped with the model.
-_COMPILED: "weakref.WeakKeyDictionary[Any, dict[bool, Any]]" = (
-    weakref.WeakKeyDictionary()
-)
 
 
 # Models already warned of an eager part: model -> the parts named.
@@ -84,13 +80,43 @@ def _warn_once(model: Any, reason: str) -> None:
     )
 
 
+def _own_code(function: Callable[..., Any], name: str) -> Callable[..., Any]:
+    """A copy of `function` with a code object of its own.
+
+    Dynamo keeps its compiled graphs per code object, with a limit of
+    recompilations (8): one function shared by every model would be
+    recompiled for each and, from the ninth, silently run eagerly. A copy
+    per model (per optimizer) has a cache of its own.
+    """
+    code = function.__code__.replace(co_name=name)
+    return types.FunctionType(
+        code,
+        function.__globals__,
+        name,
+        function.__defaults__,
+        function.__closure__,
+    )
+
+
+def _compiled(owner: Any, key: str, make: Callable[[], Any]) -> Any:
+    """The compiled function `key` of `owner`, made once.
+
+    Kept in the owner's `__dict__` (not in a module-level table, whose
+    entries would keep every model alive): it goes with its owner.
+    """
+    table = owner.__dict__.setdefault("_custom_fit_compiled", {})
+    if key not in table:
+        table[key] = torch.compile(make())
+    return table[key]
+
+
 def forward(
     model: Any, call: Callable[..., Any], x: Any, training: bool
 ) -> Any:
     """Returns `call(model, x, training=training)`, compiled if asked.
 
     Compiled (`torch.compile`) when the model was compiled with
-    `jit_compile=True`, outside `torch.func` transforms.
+    `jit_compile=True`, outside the parts named in the module's docstring.
     """
     if model.jit_compile is not True:
         return call(model, x, training=training)
@@ -98,15 +124,14 @@ def forward(
     if reason is not None:
         _warn_once(model, reason)
         return call(model, x, training=training)
-    compiled = _COMPILED.setdefault(model, {})
-    if training not in compiled:
-        compiled[training] = torch.compile(
-            functools.partial(call, model, training=training)
-        )
-    return compiled[training](x)
 
+    def make() -> Any:
+        def forward_pass(inputs: Any) -> Any:
+            return call(model, inputs, training=training)
 
-_APPLY: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+        return _own_code(forward_pass, f"forward_{id(model)}_{training}")
+
+    return _compiled(model, f"forward_{training}", make)(x)
 
 
 def apply(optimizer: Any, gradients: list[Any], variables: list[Any]) -> None:
@@ -118,9 +143,14 @@ def apply(optimizer: Any, gradients: list[Any], variables: list[Any]) -> None:
     if not getattr(_LOCAL, "compiled_step", False):
         optimizer.apply(gradients, variables)
         return
-    if optimizer not in _APPLY:
-        _APPLY[optimizer] = torch.compile(optimizer.apply)
-    _APPLY[optimizer](gradients, variables)
+
+    def make() -> Any:
+        def update(gradients: list[Any], variables: list[Any]) -> None:
+            optimizer.apply(gradients, variables)
+
+        return _own_code(update, f"apply_{id(optimizer)}")
+
+    _compiled(optimizer, "apply", make)(gradients, variables)
 
 
 def step_function(model: Any, kind: str) -> Callable[[Any], Any]:

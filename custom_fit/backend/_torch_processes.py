@@ -114,10 +114,28 @@ def batch_gradients(gradients: Sequence[Any]) -> list[Any]:
     """
     present = [i for i, g in enumerate(gradients) if g is not None]
     result = list(gradients)
-    if world_size() == 1 or not present:
+    world = world_size()
+    if world == 1:
         return result
     size = getattr(_LOCAL, "batch_size", None) or 1
-    means = _weighted_means([gradients[i] for i in present], size)
+    # A fingerprint of the layout (how many gradients exist, how many
+    # entries) rides along: it must be the same in every process, or the
+    # sums would mix variables. Small numbers (mod 251), so that times a
+    # batch size they stay exact in float32.
+    entries = sum(gradients[i].numel() for i in present)
+    layout = torch.tensor([float(len(present) % 251), float(entries % 251)])
+    means = _weighted_means([*(gradients[i] for i in present), layout], size)
+    if not torch.allclose(means[-1], layout, rtol=0.0, atol=1e-3):
+        raise RuntimeError(
+            "The processes' gradients differ in which variables have one "
+            "(a branch on the data, or a variable unused by one process' "
+            "batch), so they cannot be summed variable by variable. "
+            f"Received: {len(present)} gradients of {entries} entries in "
+            "this process, and another layout in another. Make every "
+            "variable "
+            "contribute in every process (a zero-weighted term of its "
+            "loss)."
+        )
     for i, mean in zip(present, means):
         result[i] = mean
     return result
@@ -148,16 +166,17 @@ def summed_count(count: Any) -> Any:
     """`count` summed over the processes (a tensor when reduced)."""
     if world_size() == 1:
         return count
-    tensor = torch.as_tensor(count, dtype=torch.float32).reshape(1).clone()
+    # float64: counts above 2**24 stay exact (float32 would round them).
+    tensor = torch.as_tensor(count, dtype=torch.float64).reshape(1).clone()
     (summed,) = _summed([tensor])
-    return summed.reshape(())
+    return summed.reshape(()).to(torch.float32)
 
 
 def on_first_replica(value: Any) -> Any:
     """`value` in the first process, 0 in the others."""
     if world_size() == 1 or _rank() == 0:
         return value
-    return value * 0
+    return torch.zeros_like(value)  # not `value * 0`: NaN * 0 is NaN
 
 
 def summed_results(variables: Sequence[Any], compute: Callable[[], Any]) -> Any:
@@ -184,7 +203,7 @@ def _summed_values(variables: Sequence[Any]) -> Iterator[None]:
     contributions = [
         value
         if first or _NOT_SUMMED.get(id(variable)) is not variable
-        else value * 0
+        else torch.zeros_like(value)
         for variable, value in zip(variables, local)
     ]
     summed = _summed(
@@ -337,6 +356,10 @@ class ProcessStep:
         self.function = function
         self.own_state = own_state
         self.synced = False
+        # The float layer state that training moves (found at the first
+        # steps: moving statistics, not a frozen layer's weights).
+        self.layer_state: list[Any] | None = None
+        self.looked = 0
 
     def __call__(self, data: Any) -> Any:
         if world_size() == 1:
@@ -344,17 +367,53 @@ class ProcessStep:
         if not self.synced:
             self.synchronize()
         size = _batch_size(data)
+        looking = self.kind == "train" and self.layer_state is None
+        candidates = self.float_state() if looking else []
+        before = [v.value.detach().clone() for v in candidates]
         _LOCAL.batch_size = size
         try:
             logs = self.function(data)
         finally:
             _LOCAL.batch_size = None
-        if self.kind == "train":
+        if looking:
+            self.find_layer_state(candidates, before)
+        if self.kind == "train" and self.layer_state:
             self.average_layer_state(size or 1)
         return logs
 
+    def float_state(self) -> list[Any]:
+        """The model's float non-trainable variables."""
+        return [
+            v
+            for v in self.model.non_trainable_variables
+            if v.value.is_floating_point()
+        ]
+
+    def find_layer_state(
+        self, candidates: list[Any], before: list[Any]
+    ) -> None:
+        """Keeps the variables a train step moved in any process.
+
+        Decided (one all-reduce of a mask) at the first step that moved
+        one, or after three steps that moved none: a frozen layer's
+        weights never move, and are never averaged.
+        """
+        moved = torch.tensor(
+            [
+                float(not torch.equal(v.value, b))
+                for v, b in zip(candidates, before)
+            ]
+            or [0.0]
+        )
+        torch.distributed.all_reduce(moved, op=torch.distributed.ReduceOp.MAX)
+        self.looked += 1
+        if candidates and bool(moved.any()):
+            self.layer_state = [v for v, m in zip(candidates, moved) if m > 0]
+        elif self.looked >= 3:
+            self.layer_state = []
+
     def average_layer_state(self, size: int) -> None:
-        """Averages the layers' float state over the processes.
+        """Averages the layers' moving state over the processes.
 
         Each process normalizes by its own batch (no synchronized
         BatchNormalization), so moving statistics differ after a step; they
@@ -362,13 +421,7 @@ class ProcessStep:
         process holds the same model after every step (and any process'
         checkpoint is the model's).
         """
-        variables = [
-            v
-            for v in self.model.non_trainable_variables
-            if v.value.is_floating_point()
-        ]
-        if not variables:
-            return
+        variables = self.layer_state or []
         means = _weighted_means([v.value for v in variables], size)
         for variable, mean in zip(variables, means):
             variable.assign(mean)

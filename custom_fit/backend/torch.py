@@ -237,9 +237,10 @@ def input_gradients(
     Differentiable again (`create_graph=True`: double backpropagation), and
     taken under `torch.enable_grad()` also in `evaluate`, whose step Keras
     runs under `torch.no_grad()`. Inputs the value does not depend on get
-    zero gradients.
+    zero gradients. The forward passes inside run eagerly: AOTAutograd
+    cannot differentiate a compiled one twice (`jit_compile=True`).
     """
-    with torch.enable_grad():
+    with torch.enable_grad(), _torch_compile.eager("is differentiated twice"):
         inputs = [
             keras.ops.convert_to_tensor(x).detach().requires_grad_(True)
             for x in inputs

@@ -66,9 +66,9 @@ def fit_batches(arguments: dict[str, Any]) -> dict[str, int | None]:
         )
     elif split and is_arrays(x):
         examples = array_examples(x) - array_examples(x, split)
-        counts["validation"] = steps or array_batches(
-            examples, validation_batch
-        )[1]
+        counts["validation"] = (
+            steps or array_batches(examples, validation_batch)[1]
+        )
     return counts
 
 

@@ -195,14 +195,9 @@ class KerasModel(_ModelBase):
             return {}
         keras_metrics = self._keras_metrics()
         registries = self._registries()
-        variables = [
-            variable
-            for metric in keras_metrics + _step_metrics.reported(registries)
-            for variable in metric.variables
-        ]
         # Over several processes (PyTorch), the logs of the global batch.
         return backend.current().summed_results(
-            variables,
+            keras_metrics + _step_metrics.reported(registries),
             lambda: _step_metrics.step_logs(
                 self,
                 keras_metrics,

@@ -18,7 +18,6 @@ import keras
 import numpy as np
 
 from custom_fit import _validation
-from custom_fit import backend
 from custom_fit import privacy
 from custom_fit._types import Logs
 
@@ -206,8 +205,8 @@ class GradientTensorBoard(keras.callbacks.Callback):
     built with `keep_gradients=True`). Events go to `<log_dir>/train`, next
     to what `keras.callbacks.TensorBoard` writes there; the writer is
     created at the first write, so a run that logs nothing leaves no file.
-    Over several `torch.distributed` processes only the first writes (the
-    figures are the same in all).
+    Over several `torch.distributed` processes `fit` runs it in the first
+    only (`writes_files`: the figures are the same in all).
 
     Args:
         log_dir: String or `os.PathLike`. The TensorBoard log directory.
@@ -233,6 +232,9 @@ class GradientTensorBoard(keras.callbacks.Callback):
     ])
     ```
     """
+
+    # Run by the first of several processes only (see `fit`).
+    writes_files = True
 
     def __init__(
         self,
@@ -302,8 +304,7 @@ class GradientTensorBoard(keras.callbacks.Callback):
         """Writes the per-layer figures of a newly inspected step, if any."""
         import tensorflow as tf
 
-        if not _new_figures(self) or backend.current().process_index() != 0:
-            # Over several PyTorch processes, one writes (all hold the same).
+        if not _new_figures(self):
             return
         if self._writer is None:
             self._writer = tf.summary.create_file_writer(

@@ -147,9 +147,9 @@ class Adapter(Protocol):
         ...
 
     def summed_results(
-        self, variables: Sequence[Any], compute: Callable[[], Any]
+        self, metrics: Sequence[Any], compute: Callable[[], Any]
     ) -> Any:
-        """`compute()` on the global values of metric `variables`.
+        """`compute()` on the global states of `metrics`.
 
         Where each process holds its own metric states (PyTorch), they are
         summed over the processes while `compute` runs.
@@ -163,10 +163,6 @@ class Adapter(Protocol):
         (`tf.distribute` shards the global data itself; JAX's processes
         under `keras.distribution` are not counted yet).
         """
-        ...
-
-    def process_index(self) -> int:
-        """The index of this process among `process_count()` (0 for one)."""
         ...
 
     def check_equal_batches(self, counts: dict[str, int | None]) -> None:

@@ -12,20 +12,15 @@ from collections.abc import Sequence
 from typing import Any
 
 
-def summed_results(variables: Sequence[Any], compute: Callable[[], Any]) -> Any:
+def summed_results(metrics: Sequence[Any], compute: Callable[[], Any]) -> Any:
     """Returns `compute()`: the metric states are the global batch's."""
-    del variables
+    del metrics
     return compute()
 
 
 def process_count() -> int:
     """Returns 1: `fit`'s data in each process is the global data."""
     return 1
-
-
-def process_index() -> int:
-    """Returns 0: see `process_count`."""
-    return 0
 
 
 def check_equal_batches(counts: dict[str, int | None]) -> None:

@@ -38,7 +38,6 @@ import torch
 _LOCAL = threading.local()
 
 
-
 # Models already warned of an eager part: model -> the parts named.
 _WARNED: "weakref.WeakKeyDictionary[Any, set[str]]" = (
     weakref.WeakKeyDictionary()

@@ -64,11 +64,6 @@ def _rank() -> int:
     return torch.distributed.get_rank()
 
 
-def process_index() -> int:
-    """The rank of this process in the default group, 0 without one."""
-    return _rank() if world_size() > 1 else 0
-
-
 def mark_not_summed(variable: Any) -> None:
     """Marks a state variable whose logs take the first process' value."""
     _NOT_SUMMED[id(variable)] = variable
@@ -179,15 +174,18 @@ def on_first_replica(value: Any) -> Any:
     return torch.zeros_like(value)  # not `value * 0`: NaN * 0 is NaN
 
 
-def summed_results(variables: Sequence[Any], compute: Callable[[], Any]) -> Any:
+def summed_results(metrics: Sequence[Any], compute: Callable[[], Any]) -> Any:
     """Returns `compute()` run on metric states summed over the processes.
 
-    Over several processes, `variables` hold their sums over the processes
+    Over several processes, the variables of `metrics` hold their sums
     while `compute` runs (a variable marked with `mark_not_summed` holds
     the first process' value), its tensors are copied, and the local values
     are written back: each process keeps accumulating its own.
     """
-    if world_size() == 1 or not variables:
+    if world_size() == 1:
+        return compute()
+    variables = [v for metric in metrics for v in metric.variables]
+    if not variables:
         return compute()
     with _summed_values(variables):
         return keras.tree.map_structure(
@@ -248,13 +246,21 @@ def fit_callbacks(callbacks: list[Any], x: Any) -> list[Any]:
     calls it before each epoch: a `DistributedSampler` then shuffles each
     epoch differently, the same way in every process. Over several
     processes, Keras' writing callbacks (`ModelCheckpoint`, `CSVLogger`,
-    `TensorBoard`) are left out in all but the first: every process holds
-    the same model and logs, and one copy of each file is written.
+    `TensorBoard`), and any callback whose `writes_files` is true (custom_fit's
+    `GradientTensorBoard`), are left out in all but the first: every
+    process holds the same model and logs, and one copy of each file is
+    written.
     `BackupAndRestore` runs in every process (each must restore the same
     epoch).
     """
     if world_size() > 1 and _rank() != 0:
-        callbacks = [c for c in callbacks if not isinstance(c, _WRITERS)]
+        callbacks = [
+            c
+            for c in callbacks
+            if not (
+                isinstance(c, _WRITERS) or getattr(c, "writes_files", False)
+            )
+        ]
     sampler = getattr(x, "sampler", None)
     if isinstance(x, torch.utils.data.DataLoader) and hasattr(
         sampler, "set_epoch"

@@ -60,7 +60,6 @@ from custom_fit.backend._torch_processes import batch_gradients  # noqa: F401
 from custom_fit.backend._torch_processes import check_equal_batches  # noqa: F401
 from custom_fit.backend._torch_processes import fit_callbacks  # noqa: F401
 from custom_fit.backend._torch_processes import on_first_replica  # noqa: F401
-from custom_fit.backend._torch_processes import process_index  # noqa: F401
 from custom_fit.backend._torch_processes import summed_count  # noqa: F401
 from custom_fit.backend._torch_processes import summed_results  # noqa: F401
 from custom_fit.backend._torch_processes import world_size as process_count  # noqa: F401

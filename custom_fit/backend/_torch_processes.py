@@ -69,21 +69,40 @@ def mark_not_summed(variable: Any) -> None:
     _NOT_SUMMED[id(variable)] = variable
 
 
-def _summed(tensors: Sequence[Any]) -> list[Any]:
-    """Sums tensors over the processes: one all-reduce per dtype."""
+def _per_dtype(
+    tensors: Sequence[Any], collective: Callable[[Any], None]
+) -> list[Any]:
+    """Runs `collective` in place on one flat buffer per dtype.
+
+    Returns the tensors' new values, split back out of the buffers (bool
+    tensors travel as uint8, which gloo supports).
+    """
     results: list[Any] = list(tensors)
     by_dtype: dict[Any, list[int]] = {}
     for i, tensor in enumerate(tensors):
         by_dtype.setdefault(tensor.dtype, []).append(i)
-    for indices in by_dtype.values():
+    for dtype, indices in by_dtype.items():
         flat = torch.cat([tensors[i].reshape(-1) for i in indices])
-        torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.SUM)
+        if dtype == torch.bool:
+            flat = flat.to(torch.uint8)
+        collective(flat)
         offset = 0
         for i in indices:
             size = tensors[i].numel()
-            results[i] = flat[offset : offset + size].view(tensors[i].shape)
+            value = flat[offset : offset + size].view(tensors[i].shape)
+            results[i] = value.to(dtype)
             offset += size
     return results
+
+
+def _summed(tensors: Sequence[Any]) -> list[Any]:
+    """Sums tensors over the processes: one all-reduce per dtype."""
+    return _per_dtype(
+        tensors,
+        lambda flat: torch.distributed.all_reduce(
+            flat, op=torch.distributed.ReduceOp.SUM
+        ),
+    )
 
 
 def all_reduce_sum(gradients: Sequence[Any]) -> list[Any]:
@@ -319,21 +338,12 @@ def _batch_size(data: Any) -> int | None:
 
 def _broadcast(variables: Sequence[Any]) -> None:
     """Gives every process the first process' values of `variables`."""
-    tensors = [variable.value.detach() for variable in variables]
-    by_dtype: dict[Any, list[int]] = {}
-    for i, tensor in enumerate(tensors):
-        by_dtype.setdefault(tensor.dtype, []).append(i)
-    for dtype, indices in by_dtype.items():
-        flat = torch.cat([tensors[i].reshape(-1) for i in indices])
-        if dtype == torch.bool:
-            flat = flat.to(torch.uint8)
-        torch.distributed.broadcast(flat, src=0)
-        offset = 0
-        for i in indices:
-            size = tensors[i].numel()
-            value = flat[offset : offset + size].view(tensors[i].shape)
-            variables[i].assign(value.to(dtype))
-            offset += size
+    values = _per_dtype(
+        [variable.value.detach() for variable in variables],
+        lambda flat: torch.distributed.broadcast(flat, src=0),
+    )
+    for variable, value in zip(variables, values):
+        variable.assign(value)
 
 
 class ProcessStep:

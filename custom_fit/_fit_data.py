@@ -4,6 +4,11 @@ Arrays are cut by Keras into batches of `batch_size` (32 by default),
 after `validation_split` takes its share; a data object with a length
 (a `PyDataset`, a `DataLoader`) has that many batches. Anything else
 (a generator, a dataset of unknown cardinality) cannot be told.
+
+Where several processes each feed `fit` their share of every global batch,
+they compare these counts (and a sampler's figures) before the first step:
+a process that runs out of batches first would leave the others waiting in
+a collective.
 """
 
 import math
@@ -11,6 +16,8 @@ from typing import Any
 
 import keras
 import numpy as np
+
+from custom_fit import backend
 
 
 def is_arrays(x: Any) -> bool:
@@ -95,3 +102,80 @@ def batches_per_epoch(
         return len(x)  # type: ignore[arg-type]
     except TypeError:  # no length (a generator; unknown cardinality)
         return None
+
+
+def is_sampler(x: Any) -> bool:
+    """Whether `x` draws its batches independently of their order.
+
+    True for a `custom_fit.sampling.PoissonSampler` (batch `i` of an epoch
+    is its own draw), which the processes share.
+    """
+    return callable(getattr(x, "shared_figures", None))
+
+
+def shared_sampler(x: Any) -> bool:
+    """Whether `x` is a sampler whose draws several processes share."""
+    return is_sampler(x) and backend.current().data_shards()[0] > 1
+
+
+def check_processes_agree(counts: dict[str, int | None], x: Any) -> None:
+    """Raises unless the processes that feed `fit` run alike.
+
+    Does nothing in one process. Otherwise one collective compares every
+    process' batches per epoch (`counts`) and, for a sampler whose draws
+    the processes share, its `shared_figures()`.
+
+    Args:
+        counts: Dict of data name (`"training"`, `"validation"`,
+            `"evaluation"`) to this process' batches per epoch, `None`
+            where it cannot be told.
+        x: `fit`'s (or `evaluate`'s) data.
+
+    Raises:
+        ValueError: Naming what differs, its range and the fix.
+    """
+    processes = backend.current().data_shards()[0]
+    if processes == 1:
+        return
+    names = sorted(counts)
+    # An unknown count travels as 0, a count n as n + 1.
+    values = [
+        0 if counts[n] is None else int(counts[n] or 0) + 1 for n in names
+    ]
+    figures = x.shared_figures() if shared_sampler(x) else {}
+    gathered = backend.current().gather_from_processes(
+        values + list(figures.values())
+    )
+    for i, name in enumerate(names):
+        least, most = int(gathered[:, i].min()), int(gathered[:, i].max())
+        if least == most:
+            continue
+        shown = lambda count: "unknown" if count == 0 else str(count - 1)  # noqa: E731
+        raise ValueError(
+            f"Every process must run as many {name} batches per epoch: a "
+            "process that runs out first leaves the others waiting in a "
+            f"collective. Received: from {shown(least)} to {shown(most)} "
+            f"{name} batches per epoch across {processes} processes (this "
+            f"process: {shown(values[i])}). Give each process an equal "
+            "share (a DistributedSampler pads the shares to equal sizes; "
+            "arrays sliced as x[rank::world] need as many batches in every "
+            "slice), or set the same steps_per_epoch in every process."
+        )
+    for j, name in enumerate(figures):
+        column = gathered[:, len(names) + j]
+        if column.min() == column.max():
+            continue
+        differs = (
+            "data (each process holds its own?)"
+            if name in ("data", "num_examples")
+            else name
+        )
+        raise ValueError(
+            f"Every process must make the same {type(x).__name__}: each "
+            "takes its share of the same draw at every step. Received: "
+            f"samplers whose {differs} differ across {processes} processes "
+            f"({name} in this process: {figures[name]}). Pass every process "
+            "the whole data set, the same batch_size and the same seed (not "
+            "None, which draws one per process), and fit it as often in "
+            "every process."
+        )

@@ -242,8 +242,21 @@ class KerasModel(_ModelBase):
         (`ModelCheckpoint`, `CSVLogger`, `TensorBoard`) run in the first
         process only (every process holds the same model and logs).
 
+        Where several processes each feed their share of every global batch
+        (`torch.distributed`, or JAX under a `keras.distribution`), they
+        compare their batch counts before the first step. A
+        `custom_fit.sampling.PoissonSampler` is fed in its order unless
+        `shuffle=True` is given in one process: its batches are independent
+        draws, so their order changes nothing, and one process then trains
+        on the batches several processes train on; over several processes
+        shuffling would pair shares of different draws, and is refused.
+
         Returns:
             A `History` object, as `keras.Model.fit` returns.
+
+        Raises:
+            ValueError: Over several processes, for unequal batch counts,
+                samplers that differ, or `shuffle=True` with a sampler.
         """
         self._configure_if_needed()
         for model in _model_state.models_in(self):
@@ -251,11 +264,12 @@ class KerasModel(_ModelBase):
         _step_functions.forget_last_call(self)
         arguments = dict(KERAS_FIT.bind(self, *args, **kwargs).arguments)
         del arguments["self"]
-        if backend.current().process_count() > 1:
-            # Each process fits its own share (PyTorch): equal batch counts.
-            backend.current().check_equal_batches(
-                _fit_data.fit_batches(arguments)
-            )
+        if _fit_data.is_sampler(arguments.get("x")):
+            _check_unshuffled(arguments)
+            arguments.setdefault("shuffle", False)
+        _fit_data.check_processes_agree(
+            _fit_data.fit_batches(arguments), arguments.get("x")
+        )
         callbacks = arguments.get("callbacks")
         if not isinstance(callbacks, keras.callbacks.CallbackList):
             arguments["callbacks"] = self._fit_callbacks(
@@ -279,16 +293,17 @@ class KerasModel(_ModelBase):
         Returns:
             What `keras.Model.evaluate` returns.
         """
-        if backend.current().process_count() > 1:
+        if backend.current().data_shards()[0] > 1:
             arguments = KERAS_EVALUATE.bind(self, *args, **kwargs).arguments
-            backend.current().check_equal_batches(
+            _fit_data.check_processes_agree(
                 {
                     "evaluation": _fit_data.batches_per_epoch(
                         arguments.get("x"),
                         arguments.get("batch_size"),
                         arguments.get("steps"),
                     )
-                }
+                },
+                arguments.get("x"),
             )
         return super().evaluate(*args, **kwargs)
 
@@ -423,6 +438,21 @@ _LOGS_DEFERRED = threading.local()
 # The signature of Keras' `fit`, `self` included.
 KERAS_FIT = inspect.signature(keras.Model.fit)
 KERAS_EVALUATE = inspect.signature(keras.Model.evaluate)
+
+
+def _check_unshuffled(arguments: dict[str, Any]) -> None:
+    """Refuses `shuffle=True` (given) for a sampler the processes share."""
+    if arguments.get("shuffle") is True and _fit_data.shared_sampler(
+        arguments.get("x")
+    ):
+        raise ValueError(
+            "A PoissonSampler shared by several processes is fed in its "
+            "order: at every step each process takes its share of the same "
+            "draw, and Keras' shuffling (by each process' own random state) "
+            "would pair shares of different draws. Its batches are "
+            "independent draws, so their order changes nothing. Received: "
+            "shuffle=True. Leave shuffle out, or pass shuffle=False."
+        )
 
 
 def _keras_property(model: Any, name: str) -> property:

@@ -111,34 +111,23 @@ def _training_run(
 def _across_processes(run: privacy.TrainingRun) -> privacy.TrainingRun:
     """The global run of this process' `run`, over several processes.
 
-    Over `torch.distributed` processes each fits its own shard: shuffled
-    arrays are accounted as the global batch (the local batch times the
-    processes) over all the shards' examples. A `PoissonSampler` draws
-    from one process' data, so that the union of the processes' batches
-    would not be the one Poisson draw the accountant assumes: refused.
-
-    Raises:
-        ValueError: For Poisson batches over several processes.
+    Where each process feeds `fit` its own share (`torch.distributed`; JAX
+    under a `keras.distribution`), shuffled arrays are accounted as the
+    global batch (the local batch times the processes) over all the
+    shards' examples. A `PoissonSampler` is the whole data set in every
+    process, each feeding its share of the same draw (checked by `fit`):
+    its run is already the global one.
     """
-    processes = backend.current().process_count()
-    if processes == 1 or run.sampling is None:
+    processes = backend.current().data_shards()[0]
+    if processes == 1 or run.sampling in (None, "poisson"):
         return run
-    if run.sampling == "poisson":
-        raise ValueError(
-            "Poisson-sampled batches cannot be accounted over several "
-            "processes yet: each process' sampler draws from its own data, "
-            "and the processes' batches together are not the single Poisson "
-            "draw the accountant assumes. Received: "
-            f"{run.described} in each of {processes} torch.distributed "
-            "processes. Train privately with Poisson batches in one "
-            "process, or feed each process its shard as arrays (shuffled "
-            "batches, accounted as such)."
-        )
-    examples = backend.current().summed_count(float(run.num_examples or 0))
+    examples = backend.current().gather_from_processes(
+        [int(run.num_examples or 0)]
+    )
     return privacy.TrainingRun(
         run.sampling,
         None if run.batch_size is None else run.batch_size * processes,
-        int(round(float(examples))),
+        int(examples.sum()),
         run.steps,
         f"{run.described} in each of {processes} processes",
     )

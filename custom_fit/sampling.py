@@ -14,15 +14,21 @@ model = Net(inputs, outputs, l2_norm_clip=1.0, noise_multiplier=1.1,
             expected_batch_size=sampler.batch_size)
 model.fit(sampler, epochs=20)
 ```
+
+Over several processes (`torch.distributed`, or JAX under a
+`keras.distribution`), every process makes the same sampler (the whole data
+set, the same `seed`) and `fit` feeds each process its share of every draw.
 """
 
 import math
+import zlib
 from typing import Any
 
 import keras
 import numpy as np
 
 from custom_fit import _validation
+from custom_fit import backend
 
 PAD_AUTO = "auto"
 
@@ -53,6 +59,22 @@ class PoissonSampler(keras.utils.PyDataset):
     by its number of rows: the logged loss is that of the batch's examples
     times their share of the rows.
     Metrics with sample weights (accuracy) leave the padding out.
+
+    Several processes: where `fit`'s input is split across processes
+    (`torch.distributed` processes, each fitting its own share; JAX
+    processes under a `keras.distribution`), make the same sampler in every
+    process, from the whole data set and with the same `seed`. Every
+    process then computes the same draw at each step and takes its share
+    of it: the drawn examples whose index is `process` modulo the number of
+    processes. The shares together are the draw, so each example is in a
+    step's global batch with probability `q`, independently, as the
+    accountant assumes, and the global expected batch size is `batch_size`
+    (the model's `expected_batch_size`). Every share is padded to the same
+    number of rows (the largest share, rounded up to `pad_to_multiple_of`),
+    as JAX needs. `fit` checks before its first step that the processes'
+    samplers agree (data, `seed`, `batch_size`, epoch), and feeds the
+    batches in their order (no shuffling), so that every process takes its
+    share of the same draw.
 
     Draws are reproducible: batch `index` of epoch `epoch` depends only on
     `seed`, `epoch` and `index` (`indices(epoch, index)` gives its
@@ -122,6 +144,7 @@ class PoissonSampler(keras.utils.PyDataset):
         self.pad_to_multiple_of = _padding(pad_to_multiple_of, self.batch_size)
         self.sampling_rate = self.batch_size / self.num_examples
         self.epoch = 0
+        self._fingerprint = _fingerprint((self._x, self._y, self._weights))
 
     # How the batches are drawn, which `DifferentialPrivacyMixin.fit` checks
     # against the model and its noise (`custom_fit.privacy.check_run`).
@@ -131,8 +154,10 @@ class PoissonSampler(keras.utils.PyDataset):
         return math.ceil(self.num_examples / self.batch_size)
 
     def indices(self, epoch: int, index: int) -> np.ndarray:
-        """Returns the examples of one batch, in increasing order.
+        """Returns the examples of one batch (the whole draw), in order.
 
+        Over several processes each process' share of it is the examples
+        whose index is the process' index modulo the number of processes.
         Every example is in it independently with probability
         `sampling_rate`: the batch's size is drawn from `Binomial(
         num_examples, sampling_rate)`, then a subset of that size uniformly
@@ -151,10 +176,34 @@ class PoissonSampler(keras.utils.PyDataset):
         chosen = generator.choice(self.num_examples, size, replace=False)
         return np.sort(chosen)
 
+    def shared_figures(self) -> dict[str, int]:
+        """The figures every process' sampler must share, as integers.
+
+        `fit` compares them across processes before its first step: the
+        data (a checksum of some of its rows and its shapes), the seed, the
+        batch size and the epoch.
+
+        Returns:
+            A dict of name to integer in `[0, 2**31)`.
+        """
+        return {
+            "data": self._fingerprint,
+            "num_examples": self.num_examples,
+            "seed": self._entropy % (2**31 - 1),
+            "batch_size": self.batch_size,
+            "epoch": self.epoch % (2**31 - 1),
+        }
+
     def __getitem__(self, index: int) -> tuple[Any, Any, np.ndarray]:
         chosen = self.indices(self.epoch, int(index))
+        largest = len(chosen)
+        processes, process = backend.current().data_shards()
+        if processes > 1:
+            owner = chosen % processes
+            largest = int(np.bincount(owner, minlength=processes).max())
+            chosen = chosen[owner == process]
         multiple = self.pad_to_multiple_of
-        rows = max(multiple, -(-len(chosen) // multiple) * multiple)
+        rows = max(multiple, -(-largest // multiple) * multiple)
         padding = rows - len(chosen)
 
         def take(array: np.ndarray) -> np.ndarray:
@@ -169,6 +218,16 @@ class PoissonSampler(keras.utils.PyDataset):
     def on_epoch_end(self) -> None:
         """Moves to the next epoch's draws."""
         self.epoch += 1
+
+
+def _fingerprint(arrays: Any) -> int:
+    """A CRC-32 of the shapes and of up to 64 rows spread over the data."""
+    checksum = 0
+    for array in keras.tree.flatten(arrays):
+        rows = np.unique(np.linspace(0, len(array) - 1, 64).astype(int))
+        checksum = zlib.crc32(repr(array.shape).encode(), checksum)
+        checksum = zlib.crc32(np.ascontiguousarray(array[rows]), checksum)
+    return checksum % (2**31 - 1)
 
 
 def _common_length(x: Any, y: Any) -> int:

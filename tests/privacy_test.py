@@ -1334,9 +1334,7 @@ class PrivacyBudgetTest(testing.TestCase):
             )
             model = self.private_model(**options)
             with self.assertRaisesRegex(ValueError, received):
-                model.fit(
-                    x, y, batch_size=BATCH, callbacks=[budget], verbose=0
-                )
+                model.fit(x, y, batch_size=BATCH, callbacks=[budget], verbose=0)
 
     def test_bad_arguments_are_refused_at_construction(self):
         for name, value in (

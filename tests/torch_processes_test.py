@@ -250,15 +250,75 @@ class TorchProcessesTest(testing.TestCase):
                 weight, self.saved["process_1"][f"{prefix}{i}"], atol=0
             )
 
-    def test_poisson_batches_are_refused_over_processes(self):
-        """Private training on a `PoissonSampler` is refused in each of two
-        processes (their draws together are no single Poisson draw), and
-        runs in one; a noise calibrated for the global run of shuffled
-        batches (configuration `dp_calibrated`) trains over the shards."""
-        self.assertEqual(float(self.saved["process_0"]["refused/poisson"]), 1)
-        self.assertEqual(float(self.saved["process_1"]["refused/poisson"]), 1)
-        self.assertEqual(float(self.saved["single"]["refused/poisson"]), 0)
-        self.assertIn("dp_calibrated", self.configurations())
+    def test_poisson_private_training_equals_one_process(self):
+        """DP-SGD with noise on a `PoissonSampler` of the whole data (the
+        same seed in both processes, each feeding its share of every draw):
+        weights equal one process fed the same draws (atol 1e-6), and the
+        epsilon logged in every process is dp-accounting's for the
+        sampler's rate, 32 / 119, over the 12 steps run."""
+        from tests.privacy_test import dp_accounting_epsilon
+
+        single = self.saved["single"]
+        expected = [
+            dp_accounting_epsilon(4 * epochs, 32 / 119, 1.0, 1e-3)
+            for epochs in (1, 2, 3)
+        ]
+        for label in ("process_0", "process_1", "single"):
+            self.assertAllClose(
+                self.saved[label]["poisson/epsilon"], expected, rtol=1e-6
+            )
+        keys = [k for k in single if k.startswith("poisson/weight_")]
+        self.assertLen(keys, 4)
+        for key in keys:
+            self.assertAllClose(
+                self.saved["process_0"][key], single[key], atol=1e-6, rtol=0
+            )
+
+    def test_poisson_samplers_that_differ_are_refused(self):
+        """Over two processes, samplers with a seed of their own, with each
+        process' own data, or fitted with `shuffle=True` are refused in
+        both processes before the first step; one process trains."""
+        for name in ("seed", "data", "shuffle"):
+            key = f"refused/poisson_{name}"
+            for label in ("process_0", "process_1"):
+                self.assertEqual(float(self.saved[label][key]), 1, key)
+            self.assertEqual(float(self.saved["single"][key]), 0, key)
+
+    def test_poisson_shares_make_one_poisson_draw(self):
+        """Over 500 steps of a sampler of 400 examples (q = 0.1), the
+        processes' shares are disjoint, have equal rows, and together are
+        one process' draw; each example's inclusion count over the steps
+        fits Binomial(500, 0.1) (a chi-square test over the 400 examples),
+        and the global batch size varies as Binomial(400, 0.1) does (not a
+        fixed batch)."""
+        from scipy import stats
+
+        shares = {
+            label: np.load(os.path.join(self.output_dir, f"{label}_shares.npz"))
+            for label in ("process_0", "process_1", "single")
+        }
+        first, second = (shares[f"process_{i}"]["taken"] for i in (0, 1))
+        self.assertFalse(np.any(first & second))
+        np.testing.assert_array_equal(first | second, shares["single"]["taken"])
+        np.testing.assert_array_equal(
+            shares["process_0"]["rows"], shares["process_1"]["rows"]
+        )
+        steps, examples, rate = 500, 400, 0.1
+        self.assertEqual(first.shape, (steps, examples))
+        counts = (first | second).sum(axis=0)
+        mean, variance = steps * rate, steps * rate * (1 - rate)
+        statistic = np.sum((counts - mean) ** 2 / variance)
+        self.assertGreater(stats.chi2.sf(statistic, examples), 1e-3)
+        self.assertGreater(stats.chi2.cdf(statistic, examples), 1e-3)
+        sizes = (first | second).sum(axis=1)
+        ratio = sizes.var(ddof=1) / (examples * rate * (1 - rate))
+        # The sample variance of 500 draws: within 4 standard errors.
+        self.assertLess(abs(ratio - 1), 4 * np.sqrt(2 / (steps - 1)))
+        self.assertAllClose(
+            sizes.mean(),
+            examples * rate,
+            atol=4 * np.sqrt(examples * rate * (1 - rate) / steps),
+        )
 
     def test_unequal_batch_counts_are_refused_before_the_first_step(self):
         """Shares of 4 and 2 batches per epoch: `fit` raises in both

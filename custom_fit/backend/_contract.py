@@ -156,20 +156,22 @@ class Adapter(Protocol):
         """
         ...
 
-    def process_count(self) -> int:
-        """The processes that each fit their own shard of the data.
+    def data_shards(self) -> tuple[int, int]:
+        """How `fit`'s input is split: `(processes, this process' index)`.
 
-        More than 1 only over `torch.distributed` processes; elsewhere 1
-        (`tf.distribute` shards the global data itself; JAX's processes
-        under `keras.distribution` are not counted yet).
+        `processes` counts the processes that each feed `fit` their own
+        share of every global batch: `torch.distributed` processes, and
+        JAX processes under a `keras.distribution`; `(1, 0)` elsewhere
+        (`tf.distribute` splits the global batch itself).
         """
         ...
 
-    def check_equal_batches(self, counts: dict[str, int | None]) -> None:
-        """Raises unless every process runs as many batches per epoch.
+    def gather_from_processes(self, values: Sequence[int]) -> Any:
+        """Every process' `values`, as a NumPy int64 array.
 
-        `counts` maps a data name to this process' batches per epoch
-        (`None`: unknown). Only over `torch.distributed` processes.
+        One collective over the processes of `data_shards()`; row `i` holds
+        process `i`'s values (one row in one process). Each value is an
+        integer in `[0, 2**31)`.
         """
         ...
 

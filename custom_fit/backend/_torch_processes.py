@@ -288,43 +288,29 @@ def fit_callbacks(callbacks: list[Any], x: Any) -> list[Any]:
     return callbacks
 
 
-def check_equal_batches(counts: dict[str, int | None]) -> None:
-    """Raises unless every process runs as many batches per epoch.
-
-    One all-reduce of the counts (an unknown count is -1), before the first
-    step: a process that ran out of batches first would leave the others
-    waiting in a collective until the group's timeout.
-
-    Args:
-        counts: Dict of data name (`"training"`, `"validation"`) to this
-            process' batches per epoch, `None` where it cannot be told.
-
-    Raises:
-        ValueError: Naming the data and the counts.
-    """
+def data_shards() -> tuple[int, int]:
+    """Returns `(processes, rank)` of the default group, `(1, 0)` alone."""
     world = world_size()
-    if world == 1 or not counts:
-        return
-    names = sorted(counts)
-    values = [-1 if counts[n] is None else int(counts[n] or 0) for n in names]
-    flat = torch.tensor([*values, *(-v for v in values)], dtype=torch.int64)
-    torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.MAX)
-    for i, name in enumerate(names):
-        most, least = int(flat[i]), -int(flat[len(names) + i])
-        if most == least:
-            continue
-        described = "unknown" if values[i] == -1 else str(values[i])
-        raise ValueError(
-            f"Every process must run as many {name} batches per epoch: a "
-            "process that runs out first leaves the others waiting in a "
-            "collective. Received: from "
-            f"{'unknown' if least == -1 else least} to {most} {name} "
-            f"batches per epoch across {world} torch.distributed processes "
-            f"(this process: {described}). Give each process an equal "
-            "share (a DistributedSampler pads the shares to equal sizes; "
-            "arrays sliced as x[rank::world] need as many batches in every "
-            "slice), or set the same steps_per_epoch in every process."
-        )
+    return (world, _rank()) if world > 1 else (1, 0)
+
+
+def gather_from_processes(values: Sequence[int]) -> Any:
+    """Returns every process' `values` as rows of an int64 NumPy array.
+
+    One `all_gather`, on the CUDA device under NCCL (which gathers only
+    device tensors), on the CPU otherwise.
+    """
+    device = "cpu"
+    world = world_size()
+    if world > 1 and torch.distributed.get_backend() == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    local = torch.tensor([int(v) for v in values], dtype=torch.int64)
+    if world == 1:
+        return local[None].numpy()
+    local = local.to(device)
+    rows = [torch.empty_like(local) for _ in range(world)]
+    torch.distributed.all_gather(rows, local)
+    return torch.stack(rows).cpu().numpy()
 
 
 def _batch_size(data: Any) -> int | None:

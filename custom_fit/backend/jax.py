@@ -66,10 +66,8 @@ from custom_fit.backend._dense import replica_count  # noqa: F401
 from custom_fit.backend._dense import scaled  # noqa: F401
 from custom_fit.backend._dense import squared_sums  # noqa: F401
 from custom_fit.backend._dense import summed_count  # noqa: F401
-from custom_fit.backend._global_data import check_equal_batches  # noqa: F401
 from custom_fit.backend._global_data import fit_callbacks  # noqa: F401
 from custom_fit.backend._global_data import forward  # noqa: F401
-from custom_fit.backend._global_data import process_count  # noqa: F401
 from custom_fit.backend._global_data import summed_results  # noqa: F401
 
 _LOCAL = threading.local()
@@ -554,6 +552,31 @@ def after_state_sync(model: Any) -> None:
 
 
 # Training functions.
+
+
+def data_shards() -> tuple[int, int]:
+    """Returns `(processes, index)` of the JAX processes feeding `fit`.
+
+    Under a `keras.distribution` each process feeds its own share of every
+    global batch (Keras makes the global array with
+    `jax.make_array_from_process_local_data`); without one, or in one
+    process, `(1, 0)`.
+    """
+    processes = jax.process_count()
+    if processes == 1 or keras.distribution.distribution() is None:
+        return 1, 0
+    return processes, jax.process_index()
+
+
+def gather_from_processes(values: Sequence[int]) -> np.ndarray:
+    """Returns every process' `values`, one row each (int32 on the wire)."""
+    local = np.asarray(list(values), np.int32)
+    if data_shards()[0] == 1:
+        return local[None].astype(np.int64)
+    from jax.experimental import multihost_utils
+
+    gathered = multihost_utils.process_allgather(local, tiled=False)
+    return np.asarray(gathered).astype(np.int64)
 
 
 def check_strategy() -> None:

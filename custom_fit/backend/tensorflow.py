@@ -17,10 +17,10 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from custom_fit.backend._global_data import check_equal_batches  # noqa: F401
+from custom_fit.backend._global_data import data_shards  # noqa: F401
 from custom_fit.backend._global_data import fit_callbacks  # noqa: F401
 from custom_fit.backend._global_data import forward  # noqa: F401
-from custom_fit.backend._global_data import process_count  # noqa: F401
+from custom_fit.backend._global_data import gather_from_processes  # noqa: F401
 from custom_fit.backend._global_data import summed_results  # noqa: F401
 from custom_fit.backend._stateful import after_state_sync  # noqa: F401
 from custom_fit.backend._stateful import make_step_function  # noqa: F401

@@ -57,12 +57,12 @@ from custom_fit.backend._stateful import after_state_sync  # noqa: F401
 from custom_fit.backend._stateful import write_latest  # noqa: F401
 from custom_fit.backend._torch_processes import all_reduce_sum  # noqa: F401
 from custom_fit.backend._torch_processes import batch_gradients  # noqa: F401
-from custom_fit.backend._torch_processes import check_equal_batches  # noqa: F401
+from custom_fit.backend._torch_processes import data_shards  # noqa: F401
 from custom_fit.backend._torch_processes import fit_callbacks  # noqa: F401
+from custom_fit.backend._torch_processes import gather_from_processes  # noqa: F401
 from custom_fit.backend._torch_processes import on_first_replica  # noqa: F401
 from custom_fit.backend._torch_processes import summed_count  # noqa: F401
 from custom_fit.backend._torch_processes import summed_results  # noqa: F401
-from custom_fit.backend._torch_processes import world_size as process_count  # noqa: F401
 
 
 def _parameter(variable: Any) -> Any:

@@ -266,29 +266,81 @@ def fit_then_die(x, y, rank, world):
     )
 
 
-def poisson_refused(x, y, rank, world):
-    """Whether private training on a `PoissonSampler` is refused (it is over
-    several processes: their draws together are no single Poisson draw)."""
-    model = network(
-        Private,
-        0,
-        l2_norm_clip=1.0,
-        noise_multiplier=1.0,
-        expected_batch_size=GLOBAL_BATCH // world,
+def poisson_private(x, y, rank, world):
+    """DP-SGD (noise 1.0) on a `PoissonSampler` of the whole data with the
+    same seed in every process, 3 epochs, epsilon logged by
+    `PrivacyBudget`; then the refusals of samplers that differ across
+    processes. Returns a dict of results."""
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def private_model():
+        model = network(
+            Private,
+            rank,
+            l2_norm_clip=2.5,
+            noise_multiplier=1.0,
+            noise_seed=3,
+            expected_batch_size=GLOBAL_BATCH,
+        )
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss)
+        return model
+
+    model = private_model()
+    budget = custom_fit.callbacks.PrivacyBudget(
+        num_examples=SAMPLES, batch_size=GLOBAL_BATCH, delta=1e-3
     )
-    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
     sampler = custom_fit.sampling.PoissonSampler(
-        x[rank::world],
-        y[rank::world],
-        batch_size=GLOBAL_BATCH // world,
-        seed=rank,
+        x, y, batch_size=GLOBAL_BATCH, seed=5
     )
-    try:
-        model.fit(sampler, epochs=1, verbose=0)
-    except ValueError as error:
-        assert "Poisson" in str(error) and f"{world} torch" in str(error)
-        return True
-    return False
+    history = model.fit(sampler, epochs=3, verbose=0, callbacks=[budget])
+    results = {
+        f"poisson/weight_{i}": w for i, w in enumerate(model.get_weights())
+    }
+    results["poisson/epsilon"] = np.asarray(history.history["epsilon"])
+    refusals = {
+        # Each process' own seed, its own data, shuffling asked for.
+        "seed": (dict(x=x, y=y, seed=rank), {}),
+        "data": (dict(x=x[rank::world], y=y[rank::world], seed=5), {}),
+        "shuffle": (dict(x=x, y=y, seed=5), {"shuffle": True}),
+    }
+    for name, (made, fitted) in refusals.items():
+        sampler = custom_fit.sampling.PoissonSampler(
+            batch_size=GLOBAL_BATCH, **made
+        )
+        try:
+            private_model().fit(sampler, epochs=1, verbose=0, **fitted)
+            refused = False
+        except ValueError as error:
+            expected = {
+                "seed": "samplers whose seed differ",
+                "data": "samplers whose data (each process holds",
+                "shuffle": "Received: shuffle=True",
+            }[name]
+            assert expected in str(error), error
+            refused = True
+        results[f"refused/poisson_{name}"] = np.float32(refused)
+    return results
+
+
+def poisson_shares(epochs=50):
+    """Iterates a `PoissonSampler` of 400 examples (expected batch 40) as
+    `fit` feeds it, for 500 steps. Returns `(taken, rows)`: which examples
+    each step's share of this process holds (its rows of weight 1), and
+    the rows of each share (padding included)."""
+    ids = np.arange(400, dtype="float32")[:, None]
+    sampler = custom_fit.sampling.PoissonSampler(
+        ids, np.zeros(400, "int32"), batch_size=40, seed=11
+    )
+    taken, rows = [], []
+    for _ in range(epochs):
+        sampler.on_epoch_end()  # Keras ends an epoch before the first one
+        for index in range(len(sampler)):
+            x, _, weights = sampler[index]
+            step = np.zeros(400, bool)
+            step[x[weights > 0, 0].astype(int)] = True
+            taken.append(step)
+            rows.append(len(weights))
+    return np.stack(taken), np.asarray(rows)
 
 
 def main(argv):
@@ -336,7 +388,14 @@ def main(argv):
         for key, values in history.history.items():
             saved[f"{name}/history/{key}"] = np.asarray(values)
         print(name, "done", flush=True)
-    saved["refused/poisson"] = np.float32(poisson_refused(x, y, rank, world))
+    if not _ONLY.value or "poisson" in _ONLY.value:
+        saved.update(poisson_private(x, y, rank, world))
+        taken, rows = poisson_shares()
+        np.savez(
+            os.path.join(_OUTPUT_DIR.value, f"{label}_shares.npz"),
+            taken=taken,
+            rows=rows,
+        )
     saved["refused/unequal"] = np.float32(unequal_refused(x, y, rank, world))
     np.savez(os.path.join(_OUTPUT_DIR.value, f"{label}.npz"), **saved)
     if world > 1:

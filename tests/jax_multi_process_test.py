@@ -17,6 +17,11 @@ _HOSTS = os.path.join(
     "scripts",
     "model_parallel_hosts.py",
 )
+_PRIVATE = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)),
+    "scripts",
+    "jax_private_processes.py",
+)
 _LAYERS = ("hidden_1", "hidden_2", "logits")
 _TIMEOUT = 420  # seconds for the whole run, processes included
 
@@ -61,6 +66,54 @@ class JaxMultiProcessTest(testing.TestCase):
             self.assertAllClose(
                 processes[0][key], single[key], atol=1e-6, rtol=0
             )
+
+    def test_poisson_private_training_over_two_processes(self):
+        """DP-SGD with noise on a `PoissonSampler` under `DataParallel`
+        over two processes, each feeding its share of every draw: weights
+        equal one process fed the same draws (atol 1e-6), the epsilon
+        logged is dp-accounting's for the sampler's rate, the shares of 500
+        draws make one Poisson draw each (chi-square), samplers with a seed
+        per process are refused, and so is the sampler with Keras' own
+        sharding on (`auto_shard_dataset = True`, Keras' error)."""
+        from tests.privacy_test import dp_accounting_epsilon
+
+        output_dir = tempfile.mkdtemp()
+        env = dict(os.environ, KERAS_BACKEND="jax")
+        env.pop("XLA_FLAGS", None)  # one device per process
+        for count in (2, 1):
+            testing.run_bounded(
+                _PRIVATE,
+                f"--processes={count}",
+                f"--output_dir={output_dir}",
+                "--timeout=360",
+                timeout=_TIMEOUT,
+                env=env,
+            )
+        saved = {
+            label: dict(np.load(os.path.join(output_dir, f"{label}.npz")))
+            for label in ("process_0", "process_1", "single")
+        }
+        single = saved["single"]
+        expected = [
+            dp_accounting_epsilon(4 * epochs, 32 / 119, 1.0, 1e-3)
+            for epochs in (1, 2, 3)
+        ]
+        for label, run in saved.items():
+            self.assertAllClose(run["epsilon"], expected, rtol=1e-6)
+            refused = 0 if label == "single" else 1
+            self.assertEqual(float(run["refused_seed"]), refused, label)
+            self.assertEqual(float(run["refused_auto_shard"]), refused)
+            for i in range(4):
+                self.assertAllClose(
+                    run[f"weight_{i}"], single[f"weight_{i}"], atol=1e-6
+                )
+        testing.assert_one_poisson_draw(
+            self,
+            [saved[f"process_{i}"]["taken"] for i in (0, 1)],
+            [saved[f"process_{i}"]["rows"] for i in (0, 1)],
+            single["taken"],
+            rate=0.1,
+        )
 
     def test_model_parallel_reads_agree_across_processes(self):
         """ModelParallel on a 2x4 mesh whose model axis spans two processes,

@@ -696,3 +696,43 @@ def _wgan_gp_jax(model, real, fake, interpolated, gp_weight, l2, kernels):
     weights = [v.value for v in model.trainable_variables]
     grads, (gp, l2_term) = jax.grad(loss, has_aux=True)(weights)
     return grads, gp, l2_term
+
+
+def assert_one_poisson_draw(test, taken, rows, single, rate):
+    """Asserts that processes' shares of Poisson draws make one draw each.
+
+    Args:
+        test: The `TestCase`.
+        taken: List, per process, of a bool array `[steps, examples]`: the
+            examples of each step's share (its rows of weight > 0).
+        rows: List, per process, of each share's rows (padding included).
+        single: Bool array `[steps, examples]`: one process' draws.
+        rate: The sampling rate `q` the accountant uses.
+
+    The shares are disjoint, have equal rows (as JAX needs), and together
+    are one process' draw; each example's inclusion count over the steps
+    fits Binomial(steps, q) (a two-sided chi-square test over the examples,
+    at 1e-3), and the global batch size has Binomial(examples, q)'s mean
+    and variance (within 4 standard errors), unlike a fixed batch.
+    """
+    from scipy import stats
+
+    union = np.zeros_like(single)
+    for i, share in enumerate(taken):
+        test.assertFalse(np.any(union & share), f"process {i} overlaps")
+        union |= share
+        np.testing.assert_array_equal(rows[i], rows[0])
+    np.testing.assert_array_equal(union, single)
+    steps, examples = union.shape
+    counts = union.sum(axis=0)
+    mean, variance = steps * rate, steps * rate * (1 - rate)
+    statistic = np.sum((counts - mean) ** 2 / variance)
+    test.assertGreater(stats.chi2.sf(statistic, examples), 1e-3)
+    test.assertGreater(stats.chi2.cdf(statistic, examples), 1e-3)
+    sizes = union.sum(axis=1)
+    spread = examples * rate * (1 - rate)
+    test.assertAllClose(
+        sizes.mean(), examples * rate, atol=4 * np.sqrt(spread / steps)
+    )
+    ratio = sizes.var(ddof=1) / spread
+    test.assertLess(abs(ratio - 1), 4 * np.sqrt(2 / (steps - 1)))

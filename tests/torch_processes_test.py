@@ -291,33 +291,16 @@ class TorchProcessesTest(testing.TestCase):
         fits Binomial(500, 0.1) (a chi-square test over the 400 examples),
         and the global batch size varies as Binomial(400, 0.1) does (not a
         fixed batch)."""
-        from scipy import stats
-
         shares = {
             label: np.load(os.path.join(self.output_dir, f"{label}_shares.npz"))
             for label in ("process_0", "process_1", "single")
         }
-        first, second = (shares[f"process_{i}"]["taken"] for i in (0, 1))
-        self.assertFalse(np.any(first & second))
-        np.testing.assert_array_equal(first | second, shares["single"]["taken"])
-        np.testing.assert_array_equal(
-            shares["process_0"]["rows"], shares["process_1"]["rows"]
-        )
-        steps, examples, rate = 500, 400, 0.1
-        self.assertEqual(first.shape, (steps, examples))
-        counts = (first | second).sum(axis=0)
-        mean, variance = steps * rate, steps * rate * (1 - rate)
-        statistic = np.sum((counts - mean) ** 2 / variance)
-        self.assertGreater(stats.chi2.sf(statistic, examples), 1e-3)
-        self.assertGreater(stats.chi2.cdf(statistic, examples), 1e-3)
-        sizes = (first | second).sum(axis=1)
-        ratio = sizes.var(ddof=1) / (examples * rate * (1 - rate))
-        # The sample variance of 500 draws: within 4 standard errors.
-        self.assertLess(abs(ratio - 1), 4 * np.sqrt(2 / (steps - 1)))
-        self.assertAllClose(
-            sizes.mean(),
-            examples * rate,
-            atol=4 * np.sqrt(examples * rate * (1 - rate) / steps),
+        testing.assert_one_poisson_draw(
+            self,
+            [shares[f"process_{i}"]["taken"] for i in (0, 1)],
+            [shares[f"process_{i}"]["rows"] for i in (0, 1)],
+            shares["single"]["taken"],
+            rate=0.1,
         )
 
     def test_unequal_batch_counts_are_refused_before_the_first_step(self):

@@ -1,0 +1,171 @@
+"""Private training on a `PoissonSampler` over two JAX processes.
+
+Launched by `tests/jax_multi_process_test.py`:
+
+    KERAS_BACKEND=jax python jax_private_processes.py --processes=2 \
+        --output_dir=DIR
+
+starts two local processes on 127.0.0.1 (CPU collectives over gloo), each
+joining the cluster with `keras.distribution.initialize` and training under
+`keras.distribution.DataParallel` with `auto_shard_dataset = False`: every
+process makes the same sampler (the whole data set, the same seed) and
+feeds its share of every draw. `--processes=1` trains in one process
+without any distribution (the oracle). Each run saves the final weights,
+the epsilon logged by `PrivacyBudget`, the shares of 500 draws of a
+second sampler, and whether the configurations that cannot be accounted
+are refused, to `DIR/<label>.npz` (`process_<i>` or `single`).
+"""
+
+import os
+import sys
+
+os.environ.setdefault("KERAS_BACKEND", "jax")
+
+sys.path.insert(
+    0,
+    os.path.join(
+        os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
+        "examples",
+    ),
+)
+
+import local_cluster  # noqa: E402  (examples/local_cluster.py)
+from absl import app  # noqa: E402
+from absl import flags  # noqa: E402
+
+_PROCESSES = flags.DEFINE_integer("processes", 2, "Processes (1: one).")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process.")
+_COORDINATOR = flags.DEFINE_string("coordinator", None, "host:port.")
+_OUTPUT_DIR = flags.DEFINE_string("output_dir", None, "Where to save.")
+_TIMEOUT = flags.DEFINE_integer("timeout", 400, "Seconds for the run.")
+flags.mark_flag_as_required("output_dir")
+
+SAMPLES = 119
+BATCH = 32  # the expected global batch
+
+
+def train(process, processes, label):
+    """Trains, checks the refusals, records the shares; saves them."""
+    import jax
+    import keras
+    import numpy as np
+
+    import custom_fit
+
+    class Private(custom_fit.DifferentialPrivacyMixin, keras.Model):
+        pass
+
+    distribution = None
+    if processes > 1:
+        distribution = keras.distribution.DataParallel(devices=jax.devices())
+        distribution.auto_shard_dataset = False  # each feeds its share
+        keras.distribution.set_distribution(distribution)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(SAMPLES, 6)).astype("float32")
+    y = ((x[:, 0] + x[:, 1] > 0).astype("int32") + (x[:, 2] > 1)).astype(
+        "int32"
+    )
+
+    def private_model():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((6,))
+        hidden = keras.layers.Dense(8, activation="tanh")(inputs)
+        model = Private(
+            inputs,
+            keras.layers.Dense(3)(hidden),
+            l2_norm_clip=2.5,
+            noise_multiplier=1.0,
+            noise_seed=3,
+            expected_batch_size=BATCH,
+        )
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.1),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+        return model
+
+    def sampler(seed=5):
+        return custom_fit.sampling.PoissonSampler(
+            x, y, batch_size=BATCH, seed=seed, pad_to_multiple_of=8
+        )
+
+    model = private_model()
+    budget = custom_fit.callbacks.PrivacyBudget(
+        num_examples=SAMPLES, batch_size=BATCH, delta=1e-3
+    )
+    history = model.fit(sampler(), epochs=3, verbose=0, callbacks=[budget])
+    saved = {f"weight_{i}": w for i, w in enumerate(model.get_weights())}
+    saved["epsilon"] = np.asarray(history.history["epsilon"])
+
+    # Samplers with a seed of their own in each process: refused.
+    try:
+        private_model().fit(sampler(seed=process), epochs=1, verbose=0)
+        saved["refused_seed"] = np.float32(0)
+    except ValueError as error:
+        assert "samplers whose seed differ" in str(error), error
+        saved["refused_seed"] = np.float32(1)
+    # Keras' own sharding of the data (`auto_shard_dataset = True`) takes
+    # only a tf.data.Dataset: Keras refuses the sampler.
+    saved["refused_auto_shard"] = np.float32(0)
+    if distribution is not None:
+        distribution.auto_shard_dataset = True
+        try:
+            private_model().fit(sampler(), epochs=1, verbose=0)
+        except ValueError as error:
+            assert "auto_shard_dataset" in str(error), error
+            saved["refused_auto_shard"] = np.float32(1)
+        distribution.auto_shard_dataset = False
+
+    # The shares of 500 draws of 400 examples (q = 0.1), as fit feeds them.
+    ids = np.arange(400, dtype="float32")[:, None]
+    draws = custom_fit.sampling.PoissonSampler(
+        ids, np.zeros(400, "int32"), batch_size=40, seed=11
+    )
+    taken, rows = [], []
+    for _ in range(50):
+        draws.on_epoch_end()
+        for index in range(len(draws)):
+            features, _, weights = draws[index]
+            step = np.zeros(400, bool)
+            step[features[weights > 0, 0].astype(int)] = True
+            taken.append(step)
+            rows.append(len(weights))
+    saved["taken"] = np.stack(taken)
+    saved["rows"] = np.asarray(rows)
+    np.savez(os.path.join(_OUTPUT_DIR.value, f"{label}.npz"), **saved)
+
+
+def main(argv):
+    del argv
+    processes = _PROCESSES.value
+    if _PROCESS_ID.value is not None:
+        import jax
+
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        import keras
+
+        keras.distribution.initialize(
+            _COORDINATOR.value, processes, _PROCESS_ID.value
+        )
+        train(_PROCESS_ID.value, processes, f"process_{_PROCESS_ID.value}")
+        return
+    if processes == 1:
+        train(0, 1, "single")
+        return
+    (port,) = local_cluster.free_ports(1)
+    failure = local_cluster.launch(
+        processes,
+        lambda index: [
+            *sys.argv,
+            f"--process_id={index}",
+            f"--coordinator=127.0.0.1:{port}",
+        ],
+        lambda index: dict(os.environ, KERAS_BACKEND="jax"),
+        _TIMEOUT.value,
+    )
+    if failure:
+        sys.exit(f"error: {failure}; killed the processes still running.")
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -250,6 +250,33 @@ class TorchProcessesTest(testing.TestCase):
                 weight, self.saved["process_1"][f"{prefix}{i}"], atol=0
             )
 
+    def test_no_second_reduction_when_wrapped_as_keras_3_16_wraps(self):
+        """A model wrapped in `DistributedDataParallel` with Keras 3.16's
+        metric summing below custom_fit (configuration `keras_3_16_ddp`,
+        clipping, inspection and the guard on a NaN batch): weights, logs
+        (the skipped-step count included), `evaluate` over shards and
+        `predict` through the wrapper equal one process: nothing is reduced
+        twice."""
+        single = self.saved["single"]
+        self.assertEqual(
+            float(self.saved["process_0"]["keras_3_16_ddp/wrapped"]), 1
+        )
+        self.assertEqual(float(single["keras_3_16_ddp/wrapped"]), 0)
+        self.assertEqual(
+            single["keras_3_16_ddp/history/skipped_steps"].tolist(), [1.0, 1.0]
+        )
+        keys = [
+            k
+            for k in single
+            if k.startswith("keras_3_16_ddp/") and not k.endswith("/wrapped")
+        ]
+        self.assertLen([k for k in keys if "/weight_" in k], 4)
+        for key in keys:
+            for label in ("process_0", "process_1"):
+                self.assertAllClose(
+                    self.saved[label][key], single[key], atol=1e-6, msg=key
+                )
+
     def test_poisson_private_training_equals_one_process(self):
         """DP-SGD with noise on a `PoissonSampler` of the whole data (the
         same seed in both processes, each feeding its share of every draw):
@@ -329,3 +356,28 @@ class TorchProcessesTest(testing.TestCase):
                 self.saved["process_1"][key],
                 err_msg=key,
             )
+
+
+@pytest.mark.torch
+class TorchModelParallelTest(testing.TestCase):
+    def tearDown(self):
+        keras.distribution.set_distribution(None)
+        super().tearDown()
+
+    def test_model_parallel_is_refused_with_its_name(self):
+        """Under `keras.distribution.ModelParallel` (which Keras 3.15 sets
+        on PyTorch and then trains unsharded), building a custom_fit model
+        raises, naming the distribution and what to use instead."""
+        mesh = keras.distribution.DeviceMesh((1,), ["batch"], ["cpu:0"])
+        keras.distribution.set_distribution(
+            keras.distribution.ModelParallel(
+                layout_map=keras.distribution.LayoutMap(mesh),
+                batch_dim_name="batch",
+            )
+        )
+        with self.assertRaisesRegex(ValueError, "ModelParallel"):
+            model = testing.mlp(_Net, global_clipnorm=1.0)
+            model.compile(
+                optimizer="sgd", loss="sparse_categorical_crossentropy"
+            )
+            model.fit(*testing.classification_data(), epochs=1, verbose=0)

@@ -396,11 +396,25 @@ def fetch(value: Any) -> np.ndarray:
 
 
 def check_strategy() -> None:
-    """Does nothing: every setting can train.
+    """Raises for a `keras.distribution` other than data parallelism.
 
     An initialized `torch.distributed` group is data parallelism over its
-    processes (`_torch_processes`).
+    processes (`_torch_processes`), with or without Keras' `DataParallel`.
+    Model parallelism (layouts over a mesh, DTensor on PyTorch) has no
+    gradient path in custom_fit on PyTorch: refused rather than trained
+    unsharded.
     """
+    active = keras.distribution.distribution()
+    if active is None or isinstance(active, keras.distribution.DataParallel):
+        return
+    raise ValueError(
+        "custom_fit cannot train under model parallelism on PyTorch yet: "
+        "its gradients of sharded (DTensor) variables are not built, and "
+        "Keras 3.15 trains nothing sharded on PyTorch. Received: "
+        f"keras.distribution.distribution()={active!r}. Train data parallel "
+        "over torch.distributed processes (no distribution, or "
+        "keras.distribution.DataParallel), or use ModelParallel on JAX."
+    )
 
 
 def make_step_function(

@@ -53,6 +53,54 @@ class Accumulated(custom_fit.GradientClippingMixin, keras.Model):
     pass
 
 
+class LikeKeras316(keras.Model):
+    """What Keras 3.16's PyTorch trainer adds over a process group: the
+    model wrapped in `DistributedDataParallel` (`ddp_model`, set without
+    registering a submodule, used by its steps' forward passes) and every
+    metric variable summed over the processes in `get_metrics_result`."""
+
+    ddp_model = None
+
+    def wrap(self):
+        if torch.distributed.is_initialized() and self.ddp_model is None:
+            object.__setattr__(
+                self,
+                "ddp_model",
+                torch.nn.parallel.DistributedDataParallel(
+                    self, find_unused_parameters=False
+                ),
+            )
+
+    def make_predict_function(self, force=False):
+        self.wrap()
+        return super().make_predict_function(force)
+
+    def predict_step(self, data):
+        x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
+        return (self.ddp_model or self)(x, training=False)
+
+    def get_metrics_result(self):
+        if not torch.distributed.is_initialized():
+            return super().get_metrics_result()
+        summed = []
+        for variable in self.metrics_variables:
+            value = variable.value.clone()
+            torch.distributed.all_reduce(value)
+            summed.append(value)
+        with keras.StatelessScope(
+            state_mapping=list(zip(self.metrics_variables, summed))
+        ):
+            return super().get_metrics_result()
+
+
+class Wrapped(
+    custom_fit.GradientClippingMixin,
+    custom_fit.GradientInspectionMixin,
+    LikeKeras316,
+):
+    pass
+
+
 class Sam(custom_fit.SharpnessAwareMixin, keras.Model):
     pass
 
@@ -131,6 +179,21 @@ def configurations():
             dict(optimizer=adam(), loss=loss),
             nan_in_batch_one,
         ),
+        "keras_3_16_ddp": (
+            # Guarded clipping + inspection on a model wrapped as Keras 3.16
+            # wraps it: no second reduction of gradients or logs.
+            lambda seed: _wrapped(
+                network(
+                    Wrapped,
+                    seed,
+                    global_clipnorm=0.6,
+                    skip_nonfinite=True,
+                    layer_norms_in_logs=True,
+                )
+            ),
+            dict(optimizer=adam(), loss=loss, metrics=["accuracy"]),
+            nan_in_batch_one,
+        ),
         "accumulation": (
             lambda seed: network(
                 Accumulated,
@@ -200,6 +263,11 @@ def configurations():
             None,
         ),
     }
+
+
+def _wrapped(model):
+    model.wrap()
+    return model
 
 
 def fit_extras(name, label):
@@ -387,6 +455,17 @@ def main(argv):
             saved[f"{name}/weight_{i}"] = weight
         for key, values in history.history.items():
             saved[f"{name}/history/{key}"] = np.asarray(values)
+        if name == "keras_3_16_ddp":
+            saved[f"{name}/evaluated"] = np.asarray(
+                model.evaluate(
+                    shard(x_val),
+                    shard(y_val),
+                    batch_size=GLOBAL_BATCH // world,
+                    verbose=0,
+                )
+            )
+            saved[f"{name}/predicted"] = model.predict(x_val, verbose=0)
+            saved[f"{name}/wrapped"] = np.float32(model.ddp_model is not None)
         print(name, "done", flush=True)
     if not _ONLY.value or "poisson" in _ONLY.value:
         saved.update(poisson_private(x, y, rank, world))

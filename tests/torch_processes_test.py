@@ -277,6 +277,24 @@ class TorchProcessesTest(testing.TestCase):
                     self.saved[label][key], single[key], atol=1e-6, msg=key
                 )
 
+    def test_backup_and_restore_resumes_every_process_at_the_same_epoch(
+        self,
+    ):
+        """`BackupAndRestore` given to both processes, in one directory: a
+        fit interrupted as its third of 4 epochs begins, then resumed by a
+        new model, runs the 2 remaining epochs in both processes, ends with
+        one process' weights (the same flow in one process), and the backup
+        is removed at the end (only the first process writes and deletes)."""
+        single = self.saved["single"]
+        for label in ("process_0", "process_1", "single"):
+            self.assertEqual(float(self.saved[label]["backup/epochs_run"]), 2)
+            self.assertEqual(float(self.saved[label]["backup/removed"]), 1)
+            for i in range(4):
+                key = f"backup/weight_{i}"
+                self.assertAllClose(
+                    self.saved[label][key], single[key], atol=1e-6, rtol=0
+                )
+
     def test_poisson_private_training_equals_one_process(self):
         """DP-SGD with noise on a `PoissonSampler` of the whole data (the
         same seed in both processes, each feeding its share of every draw):

@@ -251,6 +251,29 @@ class _SamplerEpoch(keras.callbacks.Callback):
 
 
 # Keras' callbacks that write files: run by the first process only.
+class _RestoreOnly(keras.callbacks.Callback):
+    """A `BackupAndRestore` that restores and writes nothing.
+
+    In processes other than the first: at the start of training it loads
+    the backup the first process saved (weights, and the epoch to resume
+    from, so every process runs the same epochs); saving and deleting are
+    the first process' alone. The first process cannot save before every
+    process has read: its first save follows steps whose collectives wait
+    for every process' first step.
+    """
+
+    def __init__(self, backup: Any) -> None:
+        super().__init__()
+        self.backup = backup
+
+    def set_model(self, model: Any) -> None:
+        super().set_model(model)
+        self.backup.set_model(model)
+
+    def on_train_begin(self, logs: Any = None) -> None:
+        self.backup.on_train_begin(logs)
+
+
 _WRITERS = (
     keras.callbacks.ModelCheckpoint,
     keras.callbacks.CSVLogger,
@@ -269,12 +292,14 @@ def fit_callbacks(callbacks: list[Any], x: Any) -> list[Any]:
     `GradientTensorBoard`), are left out in all but the first: every
     process holds the same model and logs, and one copy of each file is
     written.
-    `BackupAndRestore` runs in every process (each must restore the same
-    epoch).
+    `BackupAndRestore` saves in the first process only, and restores in
+    every process (each must resume from the same epoch).
     """
     if world_size() > 1 and _rank() != 0:
         callbacks = [
-            c
+            _RestoreOnly(c)
+            if isinstance(c, keras.callbacks.BackupAndRestore)
+            else c
             for c in callbacks
             if not (
                 isinstance(c, _WRITERS) or getattr(c, "writes_files", False)

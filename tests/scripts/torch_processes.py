@@ -334,6 +334,58 @@ def fit_then_die(x, y, rank, world):
     )
 
 
+class _Interrupt(keras.callbacks.Callback):
+    """Stops training with an error as epoch `epoch` begins."""
+
+    def __init__(self, epoch):
+        super().__init__()
+        self.epoch = epoch
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == self.epoch:
+            raise RuntimeError(f"interrupted at epoch {epoch}")
+
+
+def backup_and_restore(x, y, rank, world):
+    """A 4-epoch fit with `BackupAndRestore`, interrupted as its third epoch
+    begins in every process, then resumed by a new model (its own seed):
+    returns the resumed run's final weights and epochs run, and whether the
+    backup directory is gone at the end."""
+    directory = os.path.join(_OUTPUT_DIR.value, f"backup_{world}")
+
+    def run(seed, callbacks):
+        model = network(Net, seed, global_clipnorm=0.5)
+        model.compile(
+            optimizer=keras.optimizers.Adam(0.05),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+        history = model.fit(
+            x[rank::world],
+            y[rank::world],
+            batch_size=GLOBAL_BATCH // world,
+            epochs=4,
+            shuffle=False,
+            verbose=0,
+            callbacks=[keras.callbacks.BackupAndRestore(directory)] + callbacks,
+        )
+        return model, history
+
+    try:
+        run(rank, [_Interrupt(2)])
+        raise AssertionError("not interrupted")
+    except RuntimeError as error:
+        assert "interrupted at epoch 2" in str(error), error
+    model, history = run(rank + 10, [])
+    results = {
+        f"backup/weight_{i}": w for i, w in enumerate(model.get_weights())
+    }
+    results["backup/epochs_run"] = np.float32(len(history.history["loss"]))
+    if world > 1:
+        torch.distributed.barrier()
+    results["backup/removed"] = np.float32(not os.path.exists(directory))
+    return results
+
+
 def poisson_private(x, y, rank, world):
     """DP-SGD (noise 1.0) on a `PoissonSampler` of the whole data with the
     same seed in every process, 3 epochs, epsilon logged by
@@ -467,6 +519,8 @@ def main(argv):
             saved[f"{name}/predicted"] = model.predict(x_val, verbose=0)
             saved[f"{name}/wrapped"] = np.float32(model.ddp_model is not None)
         print(name, "done", flush=True)
+    if not _ONLY.value or "backup" in _ONLY.value:
+        saved.update(backup_and_restore(x, y, rank, world))
     if not _ONLY.value or "poisson" in _ONLY.value:
         saved.update(poisson_private(x, y, rank, world))
         taken, rows = poisson_shares()

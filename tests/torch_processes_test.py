@@ -21,8 +21,9 @@ _SCRIPT = os.path.join(
     os.path.dirname(os.path.abspath(__file__)), "scripts", "torch_processes.py"
 )
 _TIMEOUT = 300  # seconds for a whole run, processes included
-# Each process normalizes by its own batch: these differ from one process.
-_PER_PROCESS_STATISTICS = ("batch_normalization",)
+# Each process normalizes by its own batch, or draws its own dropout masks:
+# these differ from one process.
+_PER_PROCESS_STATISTICS = ("batch_normalization", "dropout")
 
 
 class _Net(
@@ -337,7 +338,7 @@ class TorchProcessesTest(testing.TestCase):
         and the global batch size varies as Binomial(400, 0.1) does (not a
         fixed batch)."""
         shares = {
-            label: np.load(os.path.join(self.output_dir, f"{label}_shares.npz"))
+            label: np.load(os.path.join(self.output_dir, f"{label}_own.npz"))
             for label in ("process_0", "process_1", "single")
         }
         testing.assert_one_poisson_draw(
@@ -362,6 +363,22 @@ class TorchProcessesTest(testing.TestCase):
         with self.assertRaisesRegex(AssertionError, "failed") as caught:
             _torchrun(f"--output_dir={self.output_dir}", "--kill_rank=1")
         self.assertNotIn("timed out", str(caught.exception))
+
+    def test_dropout_draws_its_own_masks_in_each_process(self):
+        """The processes start from the first process' model, seed
+        generators included, yet a dropout layer's next masks differ
+        between them (example i of each share gets its own mask, as in
+        one process on the global batch), while their weights stay equal
+        (`test_processes_hold_the_same_model`)."""
+        masks = [
+            np.load(os.path.join(self.output_dir, f"process_{i}_own.npz"))[
+                "dropout/mask"
+            ]
+            for i in (0, 1)
+        ]
+        self.assertEqual(masks[0].shape, (16, 8))
+        self.assertGreater(np.mean((masks[0] == 0) != (masks[1] == 0)), 0.25)
+        self.assertIn("dropout", self.configurations())
 
     def test_processes_hold_the_same_model(self):
         """After every step the processes hold the same model, batch

@@ -41,6 +41,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import keras
+import numpy as np
 import torch
 
 _LOCAL = threading.local()
@@ -347,6 +348,26 @@ def _batch_size(data: Any) -> int | None:
     return None
 
 
+def _spread_seeds(states: Sequence[Any]) -> None:
+    """Gives the model's seed generators a seed of this process' own.
+
+    After the broadcast every process holds the first process' generators;
+    the model's own random ops (dropout, noise layers) would then draw the
+    same masks in every process, so example `i` of each share would get the
+    same mask. Each process' seed is the broadcast one mixed with its rank
+    (process 0 keeps its own), so the global batch's masks are independent
+    as they are in one process. custom_fit's own generators (DP-SGD's
+    noise, PCGrad's order) are left equal: every process must draw the same.
+    """
+    rank = _rank()
+    if rank == 0:
+        return
+    for state in states:
+        value = keras.ops.convert_to_numpy(state.value).astype(np.uint64)
+        value[0] = (value[0] ^ (rank * 0x9E3779B9)) & 0xFFFFFFFF
+        state.assign(value.astype(np.uint32))
+
+
 def _broadcast(variables: Sequence[Any]) -> None:
     """Gives every process the first process' values of `variables`."""
     values = _per_dtype(
@@ -465,4 +486,15 @@ class ProcessStep:
         for variable in variables:
             unique.setdefault(id(variable), variable)
         _broadcast(list(unique.values()))
+        own = {id(v) for v in self.own_state()}
+        weights = {id(v) for v in model.weights}
+        _spread_seeds(
+            [
+                v
+                for v in model.variables
+                if id(v) not in weights
+                and id(v) not in own
+                and v.name == "seed_generator_state"
+            ]
+        )
         self.synced = True

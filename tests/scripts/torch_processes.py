@@ -10,8 +10,10 @@ Each process (gloo, 127.0.0.1) fits its share of every global batch of
 weights initialized with its own seed; without `torchrun` the script fits
 the global batches in one process. Each run saves, per configuration, its
 final weights and its `History` to `DIR/<run>.npz` (`process_<rank>` or
-`single`). The data has an uneven last batch (12 + 11 rows); the
-validation data (37 examples) is sharded the same way.
+`single`), and what differs by process (a dropout mask, the shares of
+Poisson draws) to `DIR/<run>_own.npz`. The data has an uneven last
+batch (12 + 11 rows); the validation data (37 examples) is sharded the
+same way.
 """
 
 import os
@@ -121,13 +123,17 @@ def data(samples=SAMPLES, seed=0):
     return x, y.astype("int32")
 
 
-def network(model_class, seed, normalized=False, outputs=1, **options):
+def network(
+    model_class, seed, normalized=False, outputs=1, dropout=False, **options
+):
     """A small MLP whose weights come from `seed`."""
     keras.utils.set_random_seed(seed)
     inputs = keras.Input((6,))
     hidden = keras.layers.Dense(8, activation="tanh", name="hidden")(inputs)
     if normalized:
         hidden = keras.layers.BatchNormalization(name="norm")(hidden)
+    if dropout:
+        hidden = keras.layers.Dropout(0.5, seed=7, name="dropout")(hidden)
     heads = [
         keras.layers.Dense(3, name=f"logits_{i}")(hidden)
         for i in range(outputs)
@@ -237,6 +243,11 @@ def configurations():
             lambda seed: network(
                 Net, seed, normalized=True, global_clipnorm=0.5
             ),
+            dict(optimizer=sgd(), loss=loss),
+            None,
+        ),
+        "dropout": (
+            lambda seed: network(Net, seed, dropout=True, global_clipnorm=0.5),
             dict(optimizer=sgd(), loss=loss),
             None,
         ),
@@ -481,6 +492,7 @@ def main(argv):
     x_val, y_val = data(samples=37, seed=1)
     label = "single" if world == 1 else f"process_{rank}"
     saved = {}
+    own = {}  # results that differ by process
     for name, (build, compile_args, transform) in configurations().items():
         if _ONLY.value and name not in _ONLY.value:
             continue
@@ -518,17 +530,19 @@ def main(argv):
             )
             saved[f"{name}/predicted"] = model.predict(x_val, verbose=0)
             saved[f"{name}/wrapped"] = np.float32(model.ddp_model is not None)
+        if name == "dropout":
+            # The mask each process' dropout draws next (differs by process).
+            layer = model.get_layer("dropout")
+            own[f"{name}/mask"] = keras.ops.convert_to_numpy(
+                layer(np.ones((16, 8), "float32"), training=True)
+            )
         print(name, "done", flush=True)
     if not _ONLY.value or "backup" in _ONLY.value:
         saved.update(backup_and_restore(x, y, rank, world))
     if not _ONLY.value or "poisson" in _ONLY.value:
         saved.update(poisson_private(x, y, rank, world))
-        taken, rows = poisson_shares()
-        np.savez(
-            os.path.join(_OUTPUT_DIR.value, f"{label}_shares.npz"),
-            taken=taken,
-            rows=rows,
-        )
+        own["taken"], own["rows"] = poisson_shares()
+    np.savez(os.path.join(_OUTPUT_DIR.value, f"{label}_own.npz"), **own)
     saved["refused/unequal"] = np.float32(unequal_refused(x, y, rank, world))
     np.savez(os.path.join(_OUTPUT_DIR.value, f"{label}.npz"), **saved)
     if world > 1:

@@ -326,7 +326,7 @@ def gather_from_processes(values: Sequence[int]) -> Any:
     One `all_gather`, on the CUDA device under NCCL (which gathers only
     device tensors), on the CPU otherwise.
     """
-    device = "cpu"
+    device = torch.device("cpu")
     world = world_size()
     if world > 1 and torch.distributed.get_backend() == "nccl":
         device = torch.device("cuda", torch.cuda.current_device())

@@ -555,17 +555,41 @@ def after_state_sync(model: Any) -> None:
 
 
 def data_shards() -> tuple[int, int]:
-    """Returns `(processes, index)` of the JAX processes feeding `fit`.
+    """Returns `(shares, index)`: how the JAX processes feed `fit`.
 
-    Under a `keras.distribution` each process feeds its own share of every
-    global batch (Keras makes the global array with
-    `jax.make_array_from_process_local_data`); without one, or in one
-    process, `(1, 0)`.
+    Under a `keras.distribution` each process feeds the rows of the global
+    batch that its devices hold (Keras makes the global array with
+    `jax.make_array_from_process_local_data`): processes whose devices lie
+    at different positions of the mesh's batch axis feed different shares
+    (`DataParallel` over every process: one share each), processes at the
+    same positions the same rows (a model axis that spans processes). The
+    shares are numbered in the order of their batch positions. Without a
+    distribution, or in one process, `(1, 0)`.
     """
-    processes = jax.process_count()
-    if processes == 1 or keras.distribution.distribution() is None:
+    distribution = keras.distribution.distribution()
+    if jax.process_count() == 1 or distribution is None:
         return 1, 0
-    return processes, jax.process_index()
+    mesh = distribution.device_mesh
+    devices = np.asarray(mesh.devices, dtype=object)
+    axis = list(mesh.axis_names).index(distribution.batch_dim_name)
+    positions: dict[int, set[int]] = {}
+    for position in range(devices.shape[axis]):
+        for device in np.take(devices, [position], axis=axis).flat:
+            positions.setdefault(_process_of(device), set()).add(position)
+    shares = sorted({tuple(sorted(p)) for p in positions.values()})
+    mine = tuple(sorted(positions.get(jax.process_index(), ())))
+    return len(shares), shares.index(mine) if mine in shares else 0
+
+
+def _process_of(device: Any) -> int:
+    """The process of a mesh device: a JAX device, or `"platform:id"`."""
+    if hasattr(device, "process_index"):
+        return int(device.process_index)
+    identifier = int(str(device).rsplit(":", 1)[-1])
+    for candidate in jax.devices():
+        if candidate.id == identifier:
+            return int(candidate.process_index)
+    return 0
 
 
 def gather_from_processes(values: Sequence[int]) -> np.ndarray:

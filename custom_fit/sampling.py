@@ -78,8 +78,10 @@ class PoissonSampler(keras.utils.PyDataset):
 
     Draws are reproducible: batch `index` of epoch `epoch` depends only on
     `seed`, `epoch` and `index` (`indices(epoch, index)` gives its
-    examples), whatever order Keras asks for the batches in (`fit`
-    shuffles their order, which changes nothing: they are independent).
+    examples), whatever order Keras asks for the batches in. A custom_fit
+    model's `fit` asks for them in order unless given `shuffle=True` (the
+    batches are independent, so their order changes nothing, and in order
+    one process trains on the same batches as several).
     `epoch` counts the sampler's `on_epoch_end` calls (Keras makes one
     before the first epoch too).
 

@@ -101,6 +101,41 @@ Term = Product | Rows
 
 
 @dataclasses.dataclass(frozen=True)
+class Prepared:
+    """One weight's terms, joined and laid out once (`prepare`).
+
+    `squared_norms` and `weighted_sum` take it in place of the terms, so
+    that a step which needs both lays the tensors out once.
+
+    Attributes:
+        product: The weight's `Product` terms as one canonical term, or
+            `None`.
+        rows: The weight's `Rows` terms as one, or `None`.
+    """
+
+    product: Any
+    rows: Rows | None
+
+
+def prepare(terms: "Sequence[Term] | Prepared") -> Prepared:
+    """Returns one weight's terms joined and laid out for both uses.
+
+    Args:
+        terms: List of `Product` or of `Rows` (one kind), describing the
+            same weight (or an already `Prepared` one, returned as is).
+
+    Returns:
+        A `Prepared`.
+    """
+    if isinstance(terms, Prepared):
+        return terms
+    if terms and isinstance(terms[0], Rows):
+        return Prepared(None, _joined_rows(terms))
+    products = [_canonical(t) for t in terms if isinstance(t, Product)]
+    return Prepared(_joined(products) if products else None, None)
+
+
+@dataclasses.dataclass(frozen=True)
 class _Canonical:
     """A `Product` as `x[b, t, h, p]` and `g[b, t, h, q]`.
 
@@ -117,7 +152,9 @@ class _Canonical:
     sizes: dict[str, int]
 
 
-def squared_norms(terms: Sequence[Term], shared: Tensor | None = None) -> Any:
+def squared_norms(
+    terms: "Sequence[Term] | Prepared", shared: Tensor | None = None
+) -> Any:
     """Returns each example's squared gradient norm of one weight.
 
     The example's gradient is the sum of its gradients in `terms` (one
@@ -125,7 +162,7 @@ def squared_norms(terms: Sequence[Term], shared: Tensor | None = None) -> Any:
 
     Args:
         terms: List of `Product` or of `Rows` (one kind), describing the
-            same weight.
+            same weight, or what `prepare` made of them.
         shared: Tensor of the weight's shape or `None`: a gradient that
             every example has (that of weight regularizers).
 
@@ -141,20 +178,22 @@ def squared_norms(terms: Sequence[Term], shared: Tensor | None = None) -> Any:
     45.0
     ```
     """
+    ready = prepare(terms)
     shared = None if shared is None else ops.cast(shared, "float32")
-    constant = 0.0 if shared is None else ops.sum(ops.square(shared))
-    if not terms:
+    if ready.rows is not None:
+        squares = _rows_squared_norms(ready.rows, shared)
+    elif ready.product is not None:
+        squares = _product_squared_norms(ready.product, shared)
+    else:
+        constant = 0.0 if shared is None else ops.sum(ops.square(shared))
         return ops.convert_to_tensor(constant, "float32")
-    if isinstance(terms[0], Rows):
-        return _rows_squared_norms(_joined_rows(terms), shared) + constant
-    canonical = _joined(
-        [_canonical(t) for t in terms if isinstance(t, Product)]
-    )
-    return _product_squared_norms(canonical, shared) + constant
+    if shared is None:
+        return squares
+    return squares + ops.sum(ops.square(shared))
 
 
 def weighted_sum(
-    terms: Sequence[Term],
+    terms: "Sequence[Term] | Prepared",
     factors: Tensor,
     shape: Sequence[int],
     shared: Tensor | None = None,
@@ -183,15 +222,14 @@ def weighted_sum(
     array([[3.], [6.]], dtype=float32)
     ```
     """
+    ready = prepare(terms)
     factors = ops.cast(factors, "float32")
-    total = ops.zeros(tuple(shape), "float32")
-    if terms and isinstance(terms[0], Rows):
-        total = _rows_weighted_sum(_joined_rows(terms), factors, shape)
-    elif terms:
-        canonical = _joined(
-            [_canonical(t) for t in terms if isinstance(t, Product)]
-        )
-        total = _product_weighted_sum(canonical, factors, shape)
+    if ready.rows is not None:
+        total = _rows_weighted_sum(ready.rows, factors, shape)
+    elif ready.product is not None:
+        total = _product_weighted_sum(ready.product, factors, shape)
+    else:
+        total = ops.zeros(tuple(shape), "float32")
     if shared is not None:
         total = total + ops.sum(factors) * ops.cast(shared, "float32")
     return total
@@ -355,19 +393,28 @@ def _canonical(term: Product) -> _Canonical:
     right = "".join(c for c in ws if c in gs and c not in xs)
     positions = _product(sizes[c] for c in free)
     blocks = _product(sizes[c] for c in shared)
-    z = _EXAMPLE
-    g = ops.einsum(f"{z}{gs}->{z}{free}{shared}{right}", g)
+    g = _laid_out(g, gs, free + shared + right)
     g = _flat(g, positions, blocks, _product(sizes[c] for c in right))
     if x is None:
         x = ops.ones_like(g[..., :1])
     else:
-        x = ops.einsum(f"{z}{xs}->{z}{free}{shared}{left}", x)
+        x = _laid_out(x, xs, free + shared + left)
         x = _flat(x, positions, blocks, _product(sizes[c] for c in left))
     return _Canonical(x, g, positions, shared + left + right, ws, sizes)
 
 
+def _laid_out(tensor: Tensor, spec: str, order: str) -> Tensor:
+    """Returns `tensor` (axes: the example, then `spec`) in `order`."""
+    if spec == order:
+        return tensor
+    return ops.einsum(f"{_EXAMPLE}{spec}->{_EXAMPLE}{order}", tensor)
+
+
 def _flat(tensor: Tensor, positions: int | None, *widths: Any) -> Tensor:
     """Reshapes to `(examples, positions, *widths)`, keeping static sizes."""
+    target = (positions, *widths)
+    if None not in target and tuple(tensor.shape[1:]) == target:
+        return tensor
     if positions is None:
         return ops.reshape(tensor, (ops.shape(tensor)[0], -1, *widths))
     return ops.reshape(tensor, (-1, positions, *widths))
@@ -417,7 +464,17 @@ def _uses_gram(term: _Canonical) -> bool:
 
 
 def _product_squared_norms(term: _Canonical, shared: Tensor | None) -> Any:
-    """Returns `||G_i||^2 (+ 2 <G_i, shared>)` of a canonical term."""
+    """Returns `||G_i||^2 (+ 2 <G_i, shared>)` of a canonical term.
+
+    With one position (a Dense layer on vectors) each block of the
+    gradient is an outer product, `||x g^T||^2 = ||x||^2 ||g||^2`.
+    """
+    if term.positions == 1 and shared is None:
+        return ops.sum(
+            ops.sum(ops.square(term.x), axis=3)
+            * ops.sum(ops.square(term.g), axis=3),
+            axis=(1, 2),
+        )
     if _uses_gram(term):
         xx = ops.einsum("Ztha,Zsha->Zhts", term.x, term.x)
         gg = ops.einsum("Zthb,Zshb->Zhts", term.g, term.g)

@@ -220,7 +220,12 @@ def ghost_clipped_sums(
     problems = [p for p in problems if p]
     if problems:
         return problems[0]
-    terms = _ghost_terms(calls, inputs, gradients, variables, optimizer)
+    terms = {
+        key: ghost.prepare(found)
+        for key, found in _ghost_terms(
+            calls, inputs, gradients, variables, optimizer
+        ).items()
+    }
     shared = _shared_gradients(variables, regularized)
     squares = ops.zeros(ops.shape(first)[:1], "float32")
     for v in variables:

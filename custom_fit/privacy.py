@@ -19,14 +19,12 @@ epsilon = custom_fit.privacy.epsilon(
 """
 
 import contextlib
-import itertools
 import logging
 import math
 from collections.abc import Iterator
 from collections.abc import Sequence
 from typing import Any
 
-import keras
 from keras import ops
 
 from custom_fit import _gradient_ops
@@ -141,34 +139,16 @@ def add_noise(
 ) -> list[Tensor]:
     """Adds independent Gaussian noise of standard deviation `stddev`.
 
-    The noise of all tensors of one dtype is one draw, split: one call of
-    the generator per update instead of one per variable (on eager PyTorch
-    each is a dispatch of its own).
-
     Args:
-        gradients: List of tensors of static shapes.
+        gradients: List of tensors of one floating dtype.
         stddev: Float or scalar tensor, the noise's standard deviation.
-        seeds: A `keras.random.SeedGenerator`, advanced once per dtype.
+        seeds: A `keras.random.SeedGenerator`, advanced by the draws (once
+            per tensor, or once for all on eager PyTorch).
 
     Returns:
         The list of noisy tensors.
     """
-    draw = backend.current().normal
-    noisy = list(gradients)
-    groups: dict[str, list[int]] = {}
-    for i, g in enumerate(gradients):
-        groups.setdefault(keras.backend.standardize_dtype(g.dtype), []).append(
-            i
-        )
-    for dtype, indices in groups.items():
-        sizes = [math.prod(gradients[i].shape) for i in indices]
-        flat = draw((sum(sizes),), dtype, seeds)
-        offsets = list(itertools.accumulate(sizes))[:-1]
-        pieces = ops.split(flat, offsets) if offsets else [flat]
-        for i, piece in zip(indices, pieces):
-            g = gradients[i]
-            noisy[i] = g + stddev * ops.reshape(piece, g.shape)
-    return noisy
+    return backend.current().add_noise(list(gradients), stddev, seeds)
 
 
 def epsilon(

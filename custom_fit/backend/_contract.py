@@ -109,8 +109,14 @@ class Adapter(Protocol):
         """
         ...
 
-    def normal(self, shape: Sequence[int], dtype: str, seeds: Any) -> Any:
-        """Returns standard normal draws, advancing the `SeedGenerator`."""
+    def add_noise(
+        self, tensors: Sequence[Any], stddev: Any, seeds: Any
+    ) -> list[Any]:
+        """`tensors` plus independent normal noise of `stddev`.
+
+        Advances the `SeedGenerator` `seeds`: one draw per tensor where a
+        compiler fuses them, one draw for all on eager PyTorch.
+        """
         ...
 
     def divisible_first_axis(

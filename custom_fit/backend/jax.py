@@ -46,6 +46,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 from keras import ops
 
+from custom_fit.backend._dense import add_noise  # noqa: F401
 from custom_fit.backend._dense import add_to  # noqa: F401
 from custom_fit.backend._dense import all_reduce_sum  # noqa: F401
 from custom_fit.backend._dense import batch_gradients  # noqa: F401
@@ -58,7 +59,6 @@ from custom_fit.backend._dense import dense_size  # noqa: F401
 from custom_fit.backend._dense import divisible_first_axis  # noqa: F401
 from custom_fit.backend._dense import is_sparse  # noqa: F401
 from custom_fit.backend._dense import map_values  # noqa: F401
-from custom_fit.backend._dense import normal  # noqa: F401
 from custom_fit.backend._dense import on_first_replica  # noqa: F401
 from custom_fit.backend._dense import recorded_gradients  # noqa: F401
 from custom_fit.backend._dense import reducible_logs  # noqa: F401

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from custom_fit.backend import _dense
 from custom_fit.backend._global_data import data_shards  # noqa: F401
 from custom_fit.backend._global_data import fit_callbacks  # noqa: F401
 from custom_fit.backend._global_data import forward  # noqa: F401
@@ -101,6 +102,11 @@ def normal(shape: Sequence[int], dtype: str, seeds: Any) -> Any:
     return tf.random.stateless_normal(
         shape, seed=seed, dtype=dtype, alg="philox"
     )
+
+
+def add_noise(tensors: Sequence[Any], stddev: Any, seeds: Any) -> list[Any]:
+    """Returns `tensors` plus noise: one Philox draw (`normal`) each."""
+    return _dense.add_noise(tensors, stddev, seeds, draw=normal)
 
 
 def divisible_first_axis(tensor: Any, count: int, message: str) -> Any:

@@ -49,7 +49,7 @@ from custom_fit.backend._dense import dense_size  # noqa: F401
 from custom_fit.backend._dense import divisible_first_axis  # noqa: F401
 from custom_fit.backend._dense import is_sparse  # noqa: F401
 from custom_fit.backend._dense import map_values  # noqa: F401
-from custom_fit.backend._dense import normal  # noqa: F401
+from custom_fit.backend._dense import normal
 from custom_fit.backend._dense import recorded_gradients  # noqa: F401
 from custom_fit.backend._dense import reducible_logs  # noqa: F401
 from custom_fit.backend._dense import replica_count  # noqa: F401
@@ -393,6 +393,25 @@ def fetch(value: Any) -> np.ndarray:
 
 
 # Training functions.
+
+
+def add_noise(tensors: Sequence[Any], stddev: Any, seeds: Any) -> list[Any]:
+    """Returns `tensors` plus normal noise of `stddev`: one draw for all.
+
+    Eager PyTorch pays a dispatch (and a reseeded generator) per draw: one
+    draw of every entry, scaled once, split into views and added with one
+    `torch._foreach_add`.
+    """
+    tensors = list(tensors)
+    if not tensors:
+        return []
+    sizes = [t.numel() for t in tensors]
+    flat = normal((sum(sizes),), tensors[0].dtype, seeds) * stddev
+    pieces = [
+        piece.view(t.shape)
+        for piece, t in zip(torch.split(flat, sizes), tensors)
+    ]
+    return list(torch._foreach_add(tensors, pieces))
 
 
 def check_strategy() -> None:

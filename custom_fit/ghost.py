@@ -144,7 +144,7 @@ class _Canonical:
     the size of each letter.
     """
 
-    x: Tensor
+    x: Tensor | None  # None: ones of width 1 (a bias)
     g: Tensor
     positions: int | None
     order: str
@@ -395,9 +395,7 @@ def _canonical(term: Product) -> _Canonical:
     blocks = _product(sizes[c] for c in shared)
     g = _laid_out(g, gs, free + shared + right)
     g = _flat(g, positions, blocks, _product(sizes[c] for c in right))
-    if x is None:
-        x = ops.ones_like(g[..., :1])
-    else:
+    if x is not None:
         x = _laid_out(x, xs, free + shared + left)
         x = _flat(x, positions, blocks, _product(sizes[c] for c in left))
     return _Canonical(x, g, positions, shared + left + right, ws, sizes)
@@ -443,10 +441,22 @@ def _joined(parts: list[_Canonical]) -> _Canonical:
     known = None if None in counts else sum(c for c in counts if c)
     return dataclasses.replace(
         parts[0],
-        x=ops.concatenate([p.x for p in parts], axis=1),
+        x=ops.concatenate([_x(p) for p in parts], axis=1),
         g=ops.concatenate([p.g for p in parts], axis=1),
         positions=known,
     )
+
+
+def _x(term: _Canonical) -> Tensor:
+    """The term's `x`, ones of width 1 for a bias."""
+    if term.x is None:
+        return ops.ones_like(term.g[..., :1])
+    return term.x
+
+
+def _width(term: _Canonical) -> int:
+    """The size `p` of the term's `x[b, t, h, p]`."""
+    return 1 if term.x is None else int(term.x.shape[3])
 
 
 def _uses_gram(term: _Canonical) -> bool:
@@ -457,7 +467,8 @@ def _uses_gram(term: _Canonical) -> bool:
     with the square of it.
     """
     positions = term.positions
-    left, right = term.x.shape[-1], term.g.shape[-1]
+    left = 1 if term.x is None else term.x.shape[-1]
+    right = term.g.shape[-1]
     if positions is None:
         return False
     return positions * (left + right) < left * right
@@ -470,20 +481,20 @@ def _product_squared_norms(term: _Canonical, shared: Tensor | None) -> Any:
     gradient is an outer product, `||x g^T||^2 = ||x||^2 ||g||^2`.
     """
     if term.positions == 1 and shared is None:
-        return ops.sum(
-            ops.sum(ops.square(term.x), axis=3)
-            * ops.sum(ops.square(term.g), axis=3),
-            axis=(1, 2),
-        )
+        g_squares = ops.sum(ops.square(term.g), axis=3)
+        if term.x is not None:
+            g_squares = g_squares * ops.sum(ops.square(term.x), axis=3)
+        return ops.sum(g_squares, axis=(1, 2))
+    x = _x(term)
     if _uses_gram(term):
-        xx = ops.einsum("Ztha,Zsha->Zhts", term.x, term.x)
+        xx = ops.einsum("Ztha,Zsha->Zhts", x, x)
         gg = ops.einsum("Zthb,Zshb->Zhts", term.g, term.g)
         squares = ops.sum(xx * gg, axis=(1, 2, 3))
         if shared is None:
             return squares
-        projected = ops.einsum("Ztha,hab->Zthb", term.x, _blocks(term, shared))
+        projected = ops.einsum("Ztha,hab->Zthb", x, _blocks(term, shared))
         return squares + 2.0 * ops.sum(projected * term.g, axis=(1, 2, 3))
-    gradients = ops.einsum("Ztha,Zthb->Zhab", term.x, term.g)
+    gradients = ops.einsum("Ztha,Zthb->Zhab", x, term.g)
     squares = ops.sum(ops.square(gradients), axis=(1, 2, 3))
     if shared is None:
         return squares
@@ -495,7 +506,7 @@ def _blocks(term: _Canonical, weight: Tensor) -> Tensor:
     """Returns a weight-shaped tensor as `[h, p, q]` of the term."""
     view = ops.reshape(weight, [term.sizes[c] for c in term.weight_spec])
     view = ops.einsum(f"{term.weight_spec}->{term.order}", view)
-    return ops.reshape(view, (term.x.shape[2], term.x.shape[3], -1))
+    return ops.reshape(view, (term.g.shape[2], _width(term), -1))
 
 
 def _product_weighted_sum(
@@ -503,11 +514,17 @@ def _product_weighted_sum(
 ) -> Tensor:
     """Returns `sum_i factors[i] G_i` of a canonical term, as the weight."""
     keep = ops.reshape(ops.not_equal(factors, 0.0), (-1, 1, 1, 1))
-    x = ops.where(keep, term.x, 0.0)
     g = ops.where(keep, term.g, 0.0) * ops.reshape(factors, (-1, 1, 1, 1))
-    total = ops.einsum("Ztha,Zthb->hab", x, g)
-    total = ops.reshape(total, [term.sizes[c] for c in term.order])
-    total = ops.einsum(f"{term.order}->{term.weight_spec}", total)
+    if term.x is None:  # a sum of g: the weight is [h, 1, q]
+        total = ops.sum(g, axis=(0, 1))
+    else:
+        x = ops.where(keep, term.x, 0.0)
+        total = ops.einsum("Ztha,Zthb->hab", x, g)
+    if term.order != term.weight_spec:
+        total = ops.reshape(total, [term.sizes[c] for c in term.order])
+        total = ops.einsum(f"{term.order}->{term.weight_spec}", total)
+    if tuple(total.shape) == tuple(shape):
+        return total
     return ops.reshape(total, tuple(shape))
 
 

@@ -83,7 +83,7 @@ def values_and_grads(
     return values, aux, gradients
 
 
-def normal(shape: Sequence[int], dtype: str, seeds: Any) -> Any:
+def _normal(shape: Sequence[int], dtype: str, seeds: Any) -> Any:
     """Returns standard normal draws of `shape`, seeded from `seeds`.
 
     Draws with the Philox algorithm, named: for a stateless draw under XLA
@@ -105,8 +105,8 @@ def normal(shape: Sequence[int], dtype: str, seeds: Any) -> Any:
 
 
 def add_noise(tensors: Sequence[Any], stddev: Any, seeds: Any) -> list[Any]:
-    """Returns `tensors` plus noise: one Philox draw (`normal`) each."""
-    return _dense.add_noise(tensors, stddev, seeds, draw=normal)
+    """Returns `tensors` plus noise: one Philox draw (`_normal`) each."""
+    return _dense.noisy(tensors, stddev, seeds, _normal)
 
 
 def divisible_first_axis(tensor: Any, count: int, message: str) -> Any:

@@ -49,7 +49,7 @@ from custom_fit.backend._dense import dense_size  # noqa: F401
 from custom_fit.backend._dense import divisible_first_axis  # noqa: F401
 from custom_fit.backend._dense import is_sparse  # noqa: F401
 from custom_fit.backend._dense import map_values  # noqa: F401
-from custom_fit.backend._dense import normal
+from custom_fit.backend._dense import normal as _normal
 from custom_fit.backend._dense import recorded_gradients  # noqa: F401
 from custom_fit.backend._dense import reducible_logs  # noqa: F401
 from custom_fit.backend._dense import replica_count  # noqa: F401
@@ -406,7 +406,7 @@ def add_noise(tensors: Sequence[Any], stddev: Any, seeds: Any) -> list[Any]:
     if not tensors:
         return []
     sizes = [t.numel() for t in tensors]
-    flat = normal((sum(sizes),), tensors[0].dtype, seeds) * stddev
+    flat = _normal((sum(sizes),), tensors[0].dtype, seeds) * stddev
     pieces = [
         piece.view(t.shape)
         for piece, t in zip(torch.split(flat, sizes), tensors)

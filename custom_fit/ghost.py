@@ -192,9 +192,41 @@ def squared_norms(
     return squares + ops.sum(ops.square(shared))
 
 
+@dataclasses.dataclass(frozen=True)
+class Factors:
+    """Per-example factors laid out once for every weight (`factors_of`).
+
+    Attributes:
+        values: Float32 vector, one factor per example.
+        keep: Boolean `[examples, 1, 1, 1]`: the factor is not 0.
+        column: Float32 `[examples, 1, 1, 1]`: the factors.
+    """
+
+    values: Tensor
+    keep: Tensor
+    column: Tensor
+
+
+def factors_of(factors: "Tensor | Factors") -> Factors:
+    """Returns `factors` laid out once for `weighted_sum` of each weight.
+
+    Args:
+        factors: Float vector, one factor per example (or `Factors`,
+            returned as is).
+
+    Returns:
+        A `Factors`.
+    """
+    if isinstance(factors, Factors):
+        return factors
+    values = ops.cast(factors, "float32")
+    column = ops.reshape(values, (-1, 1, 1, 1))
+    return Factors(values, ops.not_equal(column, 0.0), column)
+
+
 def weighted_sum(
     terms: "Sequence[Term] | Prepared",
-    factors: Tensor,
+    factors: "Tensor | Factors",
     shape: Sequence[int],
     shared: Tensor | None = None,
 ) -> Tensor:
@@ -206,7 +238,8 @@ def weighted_sum(
 
     Args:
         terms: As in `squared_norms`.
-        factors: Float vector, one factor per example.
+        factors: Float vector, one factor per example, or what
+            `factors_of` made of it (laid out once for every weight).
         shape: The weight's shape.
         shared: As in `squared_norms`: added `sum(factors)` times.
 
@@ -223,15 +256,15 @@ def weighted_sum(
     ```
     """
     ready = prepare(terms)
-    factors = ops.cast(factors, "float32")
+    laid = factors_of(factors)
     if ready.rows is not None:
-        total = _rows_weighted_sum(ready.rows, factors, shape)
+        total = _rows_weighted_sum(ready.rows, laid.values, shape)
     elif ready.product is not None:
-        total = _product_weighted_sum(ready.product, factors, shape)
+        total = _product_weighted_sum(ready.product, laid, shape)
     else:
         total = ops.zeros(tuple(shape), "float32")
     if shared is not None:
-        total = total + ops.sum(factors) * ops.cast(shared, "float32")
+        total = total + ops.sum(laid.values) * ops.cast(shared, "float32")
     return total
 
 
@@ -510,11 +543,11 @@ def _blocks(term: _Canonical, weight: Tensor) -> Tensor:
 
 
 def _product_weighted_sum(
-    term: _Canonical, factors: Tensor, shape: Sequence[int]
+    term: _Canonical, factors: Factors, shape: Sequence[int]
 ) -> Tensor:
     """Returns `sum_i factors[i] G_i` of a canonical term, as the weight."""
-    keep = ops.reshape(ops.not_equal(factors, 0.0), (-1, 1, 1, 1))
-    g = ops.where(keep, term.g, 0.0) * ops.reshape(factors, (-1, 1, 1, 1))
+    keep = factors.keep
+    g = ops.where(keep, term.g, 0.0) * factors.column
     if term.x is None:  # a sum of g: the weight is [h, 1, q]
         total = ops.sum(g, axis=(0, 1))
     else:

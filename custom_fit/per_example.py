@@ -234,7 +234,9 @@ def ghost_clipped_sums(
     # not.
     norms = ops.sqrt(ops.where(squares < 0.0, 0.0, squares))
     mask = None if weights is None else weighted_microbatches(weights)
-    factors = ops.stop_gradient(privacy.clip_factors(norms, clip, mask))
+    factors = ghost.factors_of(
+        ops.stop_gradient(privacy.clip_factors(norms, clip, mask))
+    )
     sums = [
         ghost.weighted_sum(terms[id(v)], factors, v.shape, shared.get(id(v)))
         for v in variables

@@ -118,18 +118,30 @@ def shared_sampler(x: Any) -> bool:
     return is_sampler(x) and backend.current().data_shards()[0] > 1
 
 
-def check_processes_agree(counts: dict[str, int | None], x: Any) -> None:
-    """Raises unless the processes that feed `fit` run alike.
+# What the processes compare before the first step, in a fixed order (every
+# process gathers as many values, whatever its data).
+_COUNTS = ("training", "validation", "evaluation")
+_SAMPLER_FIGURES = ("data", "num_examples", "seed", "batch_size", "epoch")
 
-    Does nothing in one process. Otherwise one collective compares every
-    process' batches per epoch (`counts`) and, for a sampler whose draws
-    the processes share, its `shared_figures()`.
+
+def check_processes_agree(
+    counts: dict[str, int | None], x: Any, shuffled: bool = False
+) -> None:
+    """Raises, in every process, unless the processes that feed `fit` agree.
+
+    Does nothing in one process. Otherwise one collective of a fixed
+    number of values compares every process' batches per epoch (`counts`),
+    whether it feeds a sampler whose draws the processes share, that
+    sampler's `shared_figures()`, and whether it asked to shuffle the
+    sampler's batches; so that every process raises the same error, none
+    is left waiting in a collective.
 
     Args:
         counts: Dict of data name (`"training"`, `"validation"`,
             `"evaluation"`) to this process' batches per epoch, `None`
-            where it cannot be told.
+            where it cannot be told; a name left out has no data.
         x: `fit`'s (or `evaluate`'s) data.
+        shuffled: Bool. Whether `shuffle` was given true with a sampler.
 
     Raises:
         ValueError: Naming what differs, its range and the fix.
@@ -137,32 +149,37 @@ def check_processes_agree(counts: dict[str, int | None], x: Any) -> None:
     processes = backend.current().data_shards()[0]
     if processes == 1:
         return
-    names = sorted(counts)
-    # An unknown count travels as 0, a count n as n + 1.
-    values = [
-        0 if counts[n] is None else int(counts[n] or 0) + 1 for n in names
-    ]
-    figures = x.shared_figures() if shared_sampler(x) else {}
-    gathered = backend.current().gather_from_processes(
-        values + list(figures.values())
-    )
-    for i, name in enumerate(names):
+    values = [_coded(counts, n) for n in _COUNTS]
+    sampler = shared_sampler(x)
+    figures = x.shared_figures() if sampler else {}
+    slots = [int(sampler), int(sampler and shuffled)]
+    slots += [int(figures.get(n, 0)) for n in _SAMPLER_FIGURES]
+    gathered = backend.current().gather_from_processes(values + slots)
+    for i, name in enumerate(_COUNTS):
         least, most = int(gathered[:, i].min()), int(gathered[:, i].max())
-        if least == most:
-            continue
-        shown = lambda count: "unknown" if count == 0 else str(count - 1)  # noqa: E731
+        if least != most:
+            raise ValueError(_unequal_batches(name, least, most, values[i]))
+    offset = len(_COUNTS)
+    if gathered[:, offset].min() != gathered[:, offset].max():
         raise ValueError(
-            f"Every process must run as many {name} batches per epoch: a "
-            "process that runs out first leaves the others waiting in a "
-            f"collective. Received: from {shown(least)} to {shown(most)} "
-            f"{name} batches per epoch across {processes} processes (this "
-            f"process: {shown(values[i])}). Give each process an equal "
-            "share (a DistributedSampler pads the shares to equal sizes; "
-            "arrays sliced as x[rank::world] need as many batches in every "
-            "slice), or set the same steps_per_epoch in every process."
+            "Every process must fit the same kind of data: a PoissonSampler "
+            "in every process, or in none. Received: a PoissonSampler in "
+            f"{int(gathered[:, offset].sum())} of {processes} processes. "
+            "Make the same sampler in every process."
         )
-    for j, name in enumerate(figures):
-        column = gathered[:, len(names) + j]
+    if gathered[:, offset + 1].max() > 0:
+        raise ValueError(
+            "A PoissonSampler shared by several processes is fed in its "
+            "order: at every step each process takes its share of the same "
+            "draw, and Keras' shuffling (by each process' own random state) "
+            "would pair shares of different draws. Its batches are "
+            "independent draws, so their order changes nothing. Received: "
+            f"a true shuffle in {int(gathered[:, offset + 1].sum())} of "
+            f"{processes} processes. Leave shuffle out, or pass "
+            "shuffle=False."
+        )
+    for j, name in enumerate(_SAMPLER_FIGURES):
+        column = gathered[:, offset + 2 + j]
         if column.min() == column.max():
             continue
         differs = (
@@ -179,3 +196,29 @@ def check_processes_agree(counts: dict[str, int | None], x: Any) -> None:
             "None, which draws one per process), and fit it as often in "
             "every process."
         )
+
+
+def _coded(counts: dict[str, int | None], name: str) -> int:
+    """A batch count as gathered: none 0, unknown 1, n batches n + 2."""
+    if name not in counts:
+        return 0
+    count = counts[name]
+    return 1 if count is None else int(count) + 2
+
+
+def _unequal_batches(name: str, least: int, most: int, mine: int) -> str:
+    """The message for batch counts that differ across processes."""
+
+    def shown(code: int) -> str:
+        return {0: "no", 1: "an unknown number of"}.get(code, str(code - 2))
+
+    return (
+        f"Every process must run as many {name} batches per epoch: a "
+        "process that runs out first leaves the others waiting in a "
+        f"collective. Received: from {shown(least)} to {shown(most)} {name} "
+        f"batches per epoch across the processes (this process: "
+        f"{shown(mine)}). Give each process an equal share (a "
+        "DistributedSampler pads the shares to equal sizes; arrays sliced "
+        "as x[rank::world] need as many batches in every slice), or set "
+        "the same steps_per_epoch in every process."
+    )

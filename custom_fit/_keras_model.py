@@ -264,12 +264,16 @@ class KerasModel(_ModelBase):
         _step_functions.forget_last_call(self)
         arguments = dict(KERAS_FIT.bind(self, *args, **kwargs).arguments)
         del arguments["self"]
-        if _fit_data.is_sampler(arguments.get("x")):
-            _check_unshuffled(arguments)
-            arguments.setdefault("shuffle", False)
+        x: Any = arguments.get("x")
+        shuffled = _fit_data.is_sampler(x) and bool(arguments.get("shuffle"))
         _fit_data.check_processes_agree(
-            _fit_data.fit_batches(arguments), arguments.get("x")
+            _fit_data.fit_batches(arguments), x, shuffled
         )
+        if _fit_data.is_sampler(x):
+            # Its batches are independent draws: in order by default, so
+            # one process trains on the batches several processes do.
+            arguments.setdefault("shuffle", False)
+            x.use_share(*backend.current().data_shards())
         callbacks = arguments.get("callbacks")
         if not isinstance(callbacks, keras.callbacks.CallbackList):
             arguments["callbacks"] = self._fit_callbacks(
@@ -286,7 +290,8 @@ class KerasModel(_ModelBase):
     def evaluate(self, *args: Any, **kwargs: Any) -> Any:
         """Evaluates the model: `keras.Model.evaluate`, same arguments.
 
-        Over several PyTorch processes, each evaluating its share, the
+        Over several processes, each evaluating its share
+        (`torch.distributed`, or JAX under a `keras.distribution`), the
         processes' batch counts are compared first (unequal ones are
         refused: the metrics are summed over the processes at every batch).
 
@@ -438,21 +443,6 @@ _LOGS_DEFERRED = threading.local()
 # The signature of Keras' `fit`, `self` included.
 KERAS_FIT = inspect.signature(keras.Model.fit)
 KERAS_EVALUATE = inspect.signature(keras.Model.evaluate)
-
-
-def _check_unshuffled(arguments: dict[str, Any]) -> None:
-    """Refuses `shuffle=True` (given) for a sampler the processes share."""
-    if arguments.get("shuffle") is True and _fit_data.shared_sampler(
-        arguments.get("x")
-    ):
-        raise ValueError(
-            "A PoissonSampler shared by several processes is fed in its "
-            "order: at every step each process takes its share of the same "
-            "draw, and Keras' shuffling (by each process' own random state) "
-            "would pair shares of different draws. Its batches are "
-            "independent draws, so their order changes nothing. Received: "
-            "shuffle=True. Leave shuffle out, or pass shuffle=False."
-        )
 
 
 def _keras_property(model: Any, name: str) -> property:

@@ -118,16 +118,19 @@ def _across_processes(run: privacy.TrainingRun) -> privacy.TrainingRun:
     process, each feeding its share of the same draw (checked by `fit`):
     its run is already the global one.
     """
-    processes = backend.current().data_shards()[0]
+    processes, share = backend.current().data_shards()
     if processes == 1 or run.sampling in (None, "poisson"):
         return run
-    examples = backend.current().gather_from_processes(
-        [int(run.num_examples or 0)]
+    # Processes that feed the same share (JAX: the same batch positions)
+    # hold the same examples: each share counts once.
+    gathered = backend.current().gather_from_processes(
+        [share, int(run.num_examples or 0)]
     )
+    examples = {int(row[0]): int(row[1]) for row in gathered}
     return privacy.TrainingRun(
         run.sampling,
         None if run.batch_size is None else run.batch_size * processes,
-        int(examples.sum()),
+        sum(examples.values()),
         run.steps,
         f"{run.described} in each of {processes} processes",
     )

@@ -147,6 +147,7 @@ class PoissonSampler(keras.utils.PyDataset):
         self.sampling_rate = self.batch_size / self.num_examples
         self.epoch = 0
         self._fingerprint = _fingerprint((self._x, self._y, self._weights))
+        self._share: tuple[int, int] | None = None
 
     # How the batches are drawn, which `DifferentialPrivacyMixin.fit` checks
     # against the model and its noise (`custom_fit.privacy.check_run`).
@@ -196,10 +197,24 @@ class PoissonSampler(keras.utils.PyDataset):
             "epoch": self.epoch % (2**31 - 1),
         }
 
+    def use_share(self, processes: int, index: int) -> None:
+        """Fixes the share this process feeds: `index` of `processes`.
+
+        `fit` calls it in its own thread before training: batches may be
+        made in worker threads or processes, which cannot tell the
+        processes themselves (a `keras.distribution` is per thread).
+        Without it, each batch asks the backend.
+
+        Args:
+            processes: Integer >= 1. The processes that split each draw.
+            index: Integer in `[0, processes)`. This process' share.
+        """
+        self._share = (int(processes), int(index))
+
     def __getitem__(self, index: int) -> tuple[Any, Any, np.ndarray]:
         chosen = self.indices(self.epoch, int(index))
         largest = len(chosen)
-        processes, process = backend.current().data_shards()
+        processes, process = self._share or backend.current().data_shards()
         if processes > 1:
             owner = chosen % processes
             largest = int(np.bincount(owner, minlength=processes).max())
@@ -223,12 +238,21 @@ class PoissonSampler(keras.utils.PyDataset):
 
 
 def _fingerprint(arrays: Any) -> int:
-    """A CRC-32 of the shapes and of up to 64 rows spread over the data."""
+    """A CRC-32 of the shapes and of up to 64 rows spread over the data.
+
+    Rows of Python objects (text) are hashed by their values' `repr`, not
+    by their addresses.
+    """
     checksum = 0
     for array in keras.tree.flatten(arrays):
         rows = np.unique(np.linspace(0, len(array) - 1, 64).astype(int))
         checksum = zlib.crc32(repr(array.shape).encode(), checksum)
-        checksum = zlib.crc32(array[rows].tobytes(), checksum)
+        picked = array[rows]
+        if picked.dtype == object:
+            data = repr(picked.tolist()).encode()
+        else:
+            data = picked.tobytes()
+        checksum = zlib.crc32(data, checksum)
     return checksum % (2**31 - 1)
 
 

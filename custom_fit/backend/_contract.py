@@ -163,11 +163,12 @@ class Adapter(Protocol):
         ...
 
     def data_shards(self) -> tuple[int, int]:
-        """How `fit`'s input is split: `(processes, this process' index)`.
+        """How `fit`'s input is split: `(shares, this process' share)`.
 
-        `processes` counts the processes that each feed `fit` their own
-        share of every global batch: `torch.distributed` processes, and
-        JAX processes under a `keras.distribution`; `(1, 0)` elsewhere
+        `shares` counts the different shares of every global batch that
+        the processes feed `fit`: one per `torch.distributed` process; under
+        a `keras.distribution`, one per group of JAX processes at the same
+        positions of the mesh's batch axis; `(1, 0)` elsewhere
         (`tf.distribute` splits the global batch itself).
         """
         ...

@@ -252,27 +252,45 @@ class _SamplerEpoch(keras.callbacks.Callback):
 
 
 # Keras' callbacks that write files: run by the first process only.
-class _RestoreOnly(keras.callbacks.Callback):
-    """A `BackupAndRestore` that restores and writes nothing.
+class _SharedBackup(keras.callbacks.Callback):
+    """A `BackupAndRestore` shared by the processes.
 
-    In processes other than the first: at the start of training it loads
-    the backup the first process saved (weights, and the epoch to resume
-    from, so every process runs the same epochs); saving and deleting are
-    the first process' alone. The first process cannot save before every
-    process has read: its first save follows steps whose collectives wait
-    for every process' first step.
+    Every process restores the backup at the start of training (the
+    weights, and the epoch to resume from, so every process runs the same
+    epochs), then waits for the others (a barrier); only the first process
+    (`writes`) saves and deletes it. The barrier keeps the first process
+    from saving or deleting before every process has read, even when a
+    resumed run has no epoch left.
     """
 
-    def __init__(self, backup: Any) -> None:
+    def __init__(self, backup: Any, writes: bool) -> None:
         super().__init__()
         self.backup = backup
+        self.writes = writes
 
     def set_model(self, model: Any) -> None:
         super().set_model(model)
         self.backup.set_model(model)
 
+    def set_params(self, params: Any) -> None:
+        super().set_params(params)
+        self.backup.set_params(params)
+
     def on_train_begin(self, logs: Any = None) -> None:
         self.backup.on_train_begin(logs)
+        torch.distributed.barrier()
+
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        if self.writes:
+            self.backup.on_epoch_end(epoch, logs)
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        if self.writes:
+            self.backup.on_train_batch_end(batch, logs)
+
+    def on_train_end(self, logs: Any = None) -> None:
+        if self.writes:
+            self.backup.on_train_end(logs)
 
 
 _WRITERS = (
@@ -296,13 +314,15 @@ def fit_callbacks(callbacks: list[Any], x: Any) -> list[Any]:
     `BackupAndRestore` saves in the first process only, and restores in
     every process (each must resume from the same epoch).
     """
-    if world_size() > 1 and _rank() != 0:
+    if world_size() > 1:
+        first = _rank() == 0
         callbacks = [
-            _RestoreOnly(c)
+            _SharedBackup(c, writes=first)
             if isinstance(c, keras.callbacks.BackupAndRestore)
             else c
             for c in callbacks
-            if not (
+            if first
+            or not (
                 isinstance(c, _WRITERS) or getattr(c, "writes_files", False)
             )
         ]
@@ -348,16 +368,36 @@ def _batch_size(data: Any) -> int | None:
     return None
 
 
+def _layer_seed_states(model: Any) -> list[Any]:
+    """The seed generator states of the model's layers.
+
+    Generators that the layers own (dropout, noise layers); not those set
+    on the model itself (custom_fit's and a user mixin's, such as a
+    gradient noise's, which every process must draw alike).
+    """
+    weights = {id(v) for v in model.weights}
+    found: dict[int, Any] = {}
+    for layer in getattr(model, "layers", []):
+        for variable in layer.variables:
+            if (
+                id(variable) not in weights
+                and variable.name == "seed_generator_state"
+            ):
+                found.setdefault(id(variable), variable)
+    return list(found.values())
+
+
 def _spread_seeds(states: Sequence[Any]) -> None:
-    """Gives the model's seed generators a seed of this process' own.
+    """Gives the layers' seed generators a seed of this process' own.
 
     After the broadcast every process holds the first process' generators;
     the model's own random ops (dropout, noise layers) would then draw the
     same masks in every process, so example `i` of each share would get the
     same mask. Each process' seed is the broadcast one mixed with its rank
     (process 0 keeps its own), so the global batch's masks are independent
-    as they are in one process. custom_fit's own generators (DP-SGD's
-    noise, PCGrad's order) are left equal: every process must draw the same.
+    as they are in one process. The model's own generators (custom_fit's:
+    DP-SGD's noise, PCGrad's order; a user mixin's) are left equal: they
+    act on the reduced gradients, which every process must change alike.
     """
     rank = _rank()
     if rank == 0:
@@ -487,14 +527,7 @@ class ProcessStep:
             unique.setdefault(id(variable), variable)
         _broadcast(list(unique.values()))
         own = {id(v) for v in self.own_state()}
-        weights = {id(v) for v in model.weights}
         _spread_seeds(
-            [
-                v
-                for v in model.variables
-                if id(v) not in weights
-                and id(v) not in own
-                and v.name == "seed_generator_state"
-            ]
+            [v for v in _layer_seed_states(model) if id(v) not in own]
         )
         self.synced = True

@@ -396,22 +396,27 @@ def fetch(value: Any) -> np.ndarray:
 
 
 def add_noise(tensors: Sequence[Any], stddev: Any, seeds: Any) -> list[Any]:
-    """Returns `tensors` plus normal noise of `stddev`: one draw for all.
+    """Returns `tensors` plus normal noise of `stddev`: one draw per dtype.
 
     Eager PyTorch pays a dispatch (and a reseeded generator) per draw: one
-    draw of every entry, scaled once, split into views and added with one
-    `torch._foreach_add`.
+    draw of every entry of a dtype, scaled once, split into views and added
+    with one `torch._foreach_add`.
     """
-    tensors = list(tensors)
-    if not tensors:
-        return []
-    sizes = [t.numel() for t in tensors]
-    flat = _normal((sum(sizes),), tensors[0].dtype, seeds) * stddev
-    pieces = [
-        piece.view(t.shape)
-        for piece, t in zip(torch.split(flat, sizes), tensors)
-    ]
-    return list(torch._foreach_add(tensors, pieces))
+    noisy = list(tensors)
+    groups: dict[Any, list[int]] = {}
+    for i, tensor in enumerate(noisy):
+        groups.setdefault(tensor.dtype, []).append(i)
+    for indices in groups.values():
+        group = [noisy[i] for i in indices]
+        sizes = [t.numel() for t in group]
+        flat = _normal((sum(sizes),), group[0].dtype, seeds) * stddev
+        pieces = [
+            piece.view(t.shape)
+            for piece, t in zip(torch.split(flat, sizes), group)
+        ]
+        for i, value in zip(indices, torch._foreach_add(group, pieces)):
+            noisy[i] = value
+    return noisy
 
 
 def check_strategy() -> None:

@@ -55,6 +55,33 @@ class Accumulated(custom_fit.GradientClippingMixin, keras.Model):
     pass
 
 
+class GradientNoiseMixin(custom_fit.TrainStepMixin):
+    """A user's mixin with a seed generator of its own on the model (as in
+    examples/gradient_noise.py): its noise acts on the reduced gradients,
+    so every process must draw the same."""
+
+    gradient_noise_stddev = custom_fit.options.Option(
+        0.0, custom_fit.options.non_negative_float
+    )
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.noise_seeds = keras.random.SeedGenerator(5)
+
+    def transform_gradients(self, gradients, variables):
+        gradients = [
+            g
+            + self.gradient_noise_stddev
+            * keras.random.normal(g.shape, seed=self.noise_seeds)
+            for g in gradients
+        ]
+        return super().transform_gradients(gradients, variables)
+
+
+class Noisy(GradientNoiseMixin, custom_fit.GradientClippingMixin, keras.Model):
+    pass
+
+
 class LikeKeras316(keras.Model):
     """What Keras 3.16's PyTorch trainer adds over a process group: the
     model wrapped in `DistributedDataParallel` (`ddp_model`, set without
@@ -248,6 +275,13 @@ def configurations():
         ),
         "dropout": (
             lambda seed: network(Net, seed, dropout=True, global_clipnorm=0.5),
+            dict(optimizer=sgd(), loss=loss),
+            None,
+        ),
+        "user_noise": (
+            lambda seed: network(
+                Noisy, seed, gradient_noise_stddev=0.05, global_clipnorm=1.0
+            ),
             dict(optimizer=sgd(), loss=loss),
             None,
         ),
@@ -445,7 +479,7 @@ def poisson_private(x, y, rank, world):
             expected = {
                 "seed": "samplers whose seed differ",
                 "data": "samplers whose data (each process holds",
-                "shuffle": "Received: shuffle=True",
+                "shuffle": "a true shuffle in 2 of 2 processes",
             }[name]
             assert expected in str(error), error
             refused = True

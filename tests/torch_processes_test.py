@@ -322,9 +322,11 @@ class TorchProcessesTest(testing.TestCase):
 
     def test_poisson_samplers_that_differ_are_refused(self):
         """Over two processes, samplers with a seed of their own, with each
-        process' own data, or fitted with `shuffle=True` are refused in
-        both processes before the first step; one process trains."""
-        for name in ("seed", "data", "shuffle"):
+        process' own data, fitted with `shuffle=True`, or a sampler in one
+        process and arrays in the other are refused in both processes
+        before the first step (none waits in a collective); one process
+        trains."""
+        for name in ("seed", "data", "shuffle", "mixed"):
             key = f"refused/poisson_{name}"
             for label in ("process_0", "process_1"):
                 self.assertEqual(float(self.saved[label][key]), 1, key)

@@ -468,18 +468,28 @@ def poisson_private(x, y, rank, world):
         "data": (dict(x=x[rank::world], y=y[rank::world], seed=5), {}),
         "shuffle": (dict(x=x, y=y, seed=5), {"shuffle": True}),
     }
+    # A sampler in the first process, arrays (as many batches) in the others.
+    refusals["mixed"] = (dict(x=x, y=y, seed=5), {})
     for name, (made, fitted) in refusals.items():
-        sampler = custom_fit.sampling.PoissonSampler(
+        data = custom_fit.sampling.PoissonSampler(
             batch_size=GLOBAL_BATCH, **made
         )
+        if name == "mixed" and rank > 0:
+            data, fitted = x[rank::world], {"y": y[rank::world]}
+            fitted["batch_size"] = GLOBAL_BATCH // world
+        model = private_model()
+        if name == "mixed":  # (a private model refuses arrays by itself)
+            model = network(Net, rank, global_clipnorm=1.0)
+            model.compile(optimizer="sgd", loss=loss)
         try:
-            private_model().fit(sampler, epochs=1, verbose=0, **fitted)
+            model.fit(data, epochs=1, verbose=0, **fitted)
             refused = False
         except ValueError as error:
             expected = {
                 "seed": "samplers whose seed differ",
                 "data": "samplers whose data (each process holds",
                 "shuffle": "a true shuffle in 2 of 2 processes",
+                "mixed": "the same kind of data",
             }[name]
             assert expected in str(error), error
             refused = True

@@ -34,7 +34,9 @@ Workloads (synthetic data made here): `mlp`, the examples' MLP 784-64-64-10 at
 batch 64 (overhead-bound); `cnn`, a small CNN on 28x28x1 at batch 128
 (compute-bound); `tokens`, a small transformer-ish model on sequences of 32
 tokens at batch 64 (Embedding 1000x64, one multi-head attention, a Dense on
-every token, mean, logits). Baselines beside `fit`: Keras' optimizer-level
+every token, mean, logits); `tokens_norm`, the same with a residual
+connection and a LayerNormalization after the attention (a layer ghost
+clipping differentiates alone). Baselines beside `fit`: Keras' optimizer-level
 `global_clipnorm`; Keras with the regularization configuration's penalties
 written by hand in `compute_loss`; a hand-written step called from a
 Python loop (on TensorFlow a `tf.function` GradientTape step, and the same
@@ -266,7 +268,7 @@ LOOP_CONFIGURATIONS = {
 
 # Token ids of the `tokens` workload.
 _VOCABULARY = 1000
-_TOKEN_WORKLOADS = ("tokens",)
+_TOKEN_WORKLOADS = ("tokens", "tokens_norm")
 
 
 class _SelfAttention:
@@ -274,6 +276,17 @@ class _SelfAttention:
 
     def __call__(self, x):
         return keras.layers.MultiHeadAttention(4, 16)(x, x)
+
+
+class _NormalizedSelfAttention:
+    """Builds a transformer's attention half.
+
+    The `LayerNormalization` of the sequence plus its self-attention.
+    """
+
+    def __call__(self, x):
+        attended = keras.layers.MultiHeadAttention(4, 16)(x, x)
+        return keras.layers.LayerNormalization()(x + attended)
 
 
 WORKLOADS = {
@@ -309,6 +322,21 @@ WORKLOADS = {
         lambda: [
             keras.layers.Embedding(_VOCABULARY, 64),
             _SelfAttention(),
+            keras.layers.Dense(64, activation="relu"),
+            keras.layers.GlobalAveragePooling1D(),
+            keras.layers.Dense(10),
+        ],
+        64,
+    ),
+    # `tokens` with a residual connection and a LayerNormalization after
+    # the attention, as in a transformer (the normalization has no ghost
+    # norm: its per-example gradients are computed for it alone).
+    "tokens_norm": (
+        (32,),
+        64,
+        lambda: [
+            keras.layers.Embedding(_VOCABULARY, 64),
+            _NormalizedSelfAttention(),
             keras.layers.Dense(64, activation="relu"),
             keras.layers.GlobalAveragePooling1D(),
             keras.layers.Dense(10),

@@ -9,6 +9,13 @@ marked (`watch`) is the pre-activation output, whose gradient, with the
 layer's inputs, gives every weight's per-example gradient as a
 `custom_fit.ghost` term (`terms`).
 
+A layer with trainable weights of a class not listed (a
+LayerNormalization, a custom layer) is recorded whole when all its
+weights are its own (`whole_problem`): its inputs and its output are
+recorded, and each example's gradient of its weights alone is computed
+from them (`custom_fit.per_example`), so that one such layer does not
+send the whole model to per-example gradients.
+
 The rules rest on each example's output depending only on its own inputs
 (DP already refuses BatchNormalization) and on each weight being read
 only by its layer's own `call`. Code that Keras did not write could read
@@ -20,6 +27,7 @@ beside a `Lambda`; `clipping_method="ghost"` trusts that code.
 """
 
 import contextlib
+import dataclasses
 import threading
 from collections.abc import Callable
 from collections.abc import Iterator
@@ -48,6 +56,42 @@ _TABLE_ROLES = ("embeddings", "lora_embeddings_a", "lora_embeddings_b")
 _BATCH_CALLERS = (keras.layers.MultiHeadAttention,)
 
 
+@dataclasses.dataclass(frozen=True)
+class Replay:
+    """What a layer recorded whole was called with, to run it again.
+
+    Attributes:
+        args: The positional arguments of its `call`.
+        kwargs: The keyword arguments.
+    """
+
+    args: tuple
+    kwargs: dict
+
+    def tensors(self) -> list[Any]:
+        """Returns the tensors among the arguments, in a fixed order."""
+        return [t for t in self._leaves() if ops.is_tensor(t)]
+
+    def with_tensors(self, tensors: Sequence[Any]) -> "Replay":
+        """Returns the same call with `tensors` in place of `tensors()`."""
+        given = iter(tensors)
+        leaves = [
+            next(given) if ops.is_tensor(t) else t for t in self._leaves()
+        ]
+        args, kwargs = keras.tree.pack_sequence_as(
+            (self.args, self.kwargs), leaves
+        )
+        return Replay(tuple(args), dict(kwargs))
+
+    def _leaves(self) -> list[Any]:
+        return keras.tree.flatten((self.args, self.kwargs))
+
+
+def is_whole(layer: Any) -> bool:
+    """Whether `layer` is recorded whole (no ghost norm of its class)."""
+    return type(layer) not in SUPPORTED
+
+
 def blocker(model: Any, variables: Sequence[Any], trust_code: bool) -> str:
     """Returns why ghost clipping cannot train `variables`; `""` if it can.
 
@@ -62,23 +106,87 @@ def blocker(model: Any, variables: Sequence[Any], trust_code: bool) -> str:
     """
     layers = _keras_compat.all_layers(model)
     owners = _owners(layers)
+    holders = _holders(layers)
+    contents: dict[int, list[Any]] = {}
+
+    def inside(layer: Any) -> list[Any]:
+        if id(layer) not in contents:
+            contents[id(layer)] = _keras_compat.all_layers(layer)
+        return contents[id(layer)]
+
     for variable in variables:
         owner = owners.get(id(variable))
         if owner is None:
-            holder = _holder(layers, variable)
-            return (
-                f"the variable {variable.path!r} belongs to the layer "
-                f"{holder}, which has no ghost norm (only {SUPPORTED_NAMES} "
-                "and their LoRA weights have)"
-            )
-        reason = layer_problem(owner)
-        if reason:
-            return f"the layer {_named(owner)} {reason}"
+            holder = _innermost_holder(layers, variable)
+            reason = whole_problem(holder)
+            if reason:
+                named = "the model" if holder is None else _named(holder)
+                return (
+                    f"the variable {variable.path!r} belongs to {named}, "
+                    f"which has no ghost norm (only {SUPPORTED_NAMES} and "
+                    "their LoRA weights have), and whose per-example "
+                    f"gradients cannot be computed alone: {reason}"
+                )
+            owners[id(variable)] = owner = holder
+        else:
+            reason = layer_problem(owner)
+            if reason:
+                return f"the layer {_named(owner)} {reason}"
+        # A weight read by two layers, neither inside the other: the
+        # recorded calls of its owner would miss the other's reads.
+        for other in holders.get(id(variable), []):
+            if other is not owner and owner not in inside(other):
+                return (
+                    f"the variable {variable.path!r} is a weight of the "
+                    f"layers {_named(owner)} and {_named(other)}, neither "
+                    "inside the other (a weight shared across layers)"
+                )
     for layer in [model, *layers]:
         reason = _other_problem(layer, owners, trust_code)
         if reason:
             return reason
     return ""
+
+
+def whole_problem(layer: Any) -> str:
+    """Returns why `layer` cannot be recorded whole; `""` if it can.
+
+    Its per-example gradients are computed by running its call again on
+    each example's inputs: its weights must be its own (no layer with
+    weights inside it), its call must repeat (no random draws) and update
+    nothing.
+
+    Args:
+        layer: The innermost layer holding a variable to clip, or `None`
+            (a weight of the model itself).
+    """
+    if layer is None:
+        return "it is a weight of the model itself, outside any layer"
+    inner = [s for s in _keras_compat.all_layers(layer) if s.variables]
+    if inner:
+        return (
+            f"it holds layers with weights ({_named(inner[0])}), whose calls "
+            "inside it are not recorded one by one"
+        )
+    attributes = vars(layer).values()
+    if any(isinstance(v, keras.random.SeedGenerator) for v in attributes):
+        return (
+            "it draws random numbers in its call, which a second run for "
+            "each example would not repeat"
+        )
+    if layer.non_trainable_variables:
+        return (
+            "it has non-trainable weights, which its call may update "
+            "(a second run for each example would update them again)"
+        )
+    return ""
+
+
+def whole_layers(model: Any, variables: Sequence[Any]) -> list[Any]:
+    """Returns the layers owning `variables` that are recorded whole."""
+    return [
+        layer for layer in layers_to_record(model, variables) if is_whole(layer)
+    ]
 
 
 def layer_problem(layer: Any) -> str:
@@ -162,14 +270,23 @@ def _owners(layers: list[Any]) -> dict[int, Any]:
     return owners
 
 
-def _holder(layers: list[Any], variable: Any) -> str:
-    """Names the innermost layer holding `variable`."""
+def _holders(layers: list[Any]) -> dict[int, list[Any]]:
+    """Returns `id(variable) -> the layers holding it`, at any depth."""
+    holders: dict[int, list[Any]] = {}
+    for layer in layers:
+        for variable in layer.variables:
+            holders.setdefault(id(variable), []).append(layer)
+    return holders
+
+
+def _innermost_holder(layers: list[Any], variable: Any) -> Any:
+    """Returns the innermost layer holding `variable`; `None` if none."""
     holding = [
         layer for layer in layers if any(v is variable for v in layer.variables)
     ]
     if not holding:
-        return "(the model itself)"
-    return _named(min(holding, key=lambda layer: len(layer.variables)))
+        return None
+    return min(holding, key=lambda layer: len(layer.variables))
 
 
 def _named(layer: Any) -> str:
@@ -177,14 +294,20 @@ def _named(layer: Any) -> str:
 
 
 def layers_to_record(model: Any, variables: Sequence[Any]) -> list[Any]:
-    """Returns the supported layers owning some of `variables`."""
-    wanted = {id(v) for v in variables}
-    return [
-        layer
-        for layer in _keras_compat.all_layers(model)
-        if type(layer) in SUPPORTED
-        and any(id(v) in wanted for v in layer.variables)
-    ]
+    """Returns the layers owning `variables`: supported, or recorded whole.
+
+    `blocker` has accepted `variables`.
+    """
+    layers = _keras_compat.all_layers(model)
+    owners = _owners(layers)
+    found = {}
+    for variable in variables:
+        layer = owners.get(id(variable))
+        if layer is None:
+            layer = _innermost_holder(layers, variable)
+        if layer is not None:
+            found[id(layer)] = layer
+    return list(found.values())
 
 
 class _Recording:
@@ -195,6 +318,7 @@ class _Recording:
     ) -> None:
         self.watch = watch
         self.calls: list[tuple[Any, Any]] = []
+        self.problems: list[str] = []
         self.layers = {id(layer) for layer in layers}
         self.held: set[int] = set()  # layers whose activation is held back
 
@@ -213,13 +337,16 @@ def _active() -> "_Recording | None":
 @contextlib.contextmanager
 def recording(
     layers: Sequence[Any], watch: Callable[[Any], Any]
-) -> Iterator[list[tuple[Any, Any]]]:
+) -> Iterator[_Recording]:
     """Records each call of `layers`: its inputs, and its output watched.
 
-    Inside the context, each layer's `call` runs the original with the
-    activation held back, passes the result through `watch`, then applies
-    the activation. The context's value is the list of `(layer, inputs)`
-    in the order of the calls, which is the order of the watched tensors.
+    Inside the context, each supported layer's `call` runs the original
+    with the activation held back, passes the result through `watch`,
+    then applies the activation; a layer recorded whole (`is_whole`) has
+    its whole output watched, and its arguments kept (`Replay`). The
+    context's value has `calls`, the list of `(layer, inputs)` in the
+    order of the calls, which is the order of the watched tensors, and
+    `problems`, sentences saying why a call cannot be used.
 
     The layers' `call` and `activation` are replaced on the instances
     (restored when the last recording using them ends) by wrappers that
@@ -232,7 +359,7 @@ def recording(
             `custom_fit.backend.Adapter.intermediate_gradients`).
 
     Yields:
-        The list of calls, filled as the layers run.
+        The recording, filled as the layers run.
     """
     layers = list({id(layer): layer for layer in layers}.values())
     active = _Recording(layers, watch)
@@ -244,7 +371,7 @@ def recording(
                 _wrap(layer)
             _USERS[id(layer)] = _USERS.get(id(layer), 0) + 1
     try:
-        yield active.calls
+        yield active
     finally:
         _LOCAL.recording = previous
         with _LOCK:
@@ -258,6 +385,9 @@ def recording(
 def _wrap(layer: Any) -> None:
     """Puts the recording `call` (and activation) on the instance."""
     original = type(layer).call.__get__(layer)
+    if is_whole(layer):
+        object.__setattr__(layer, "call", _whole_call(layer, original))
+        return
     activation = getattr(layer, "activation", None)
 
     def call(*args: Any, **kwargs: Any) -> Any:
@@ -285,6 +415,27 @@ def _wrap(layer: Any) -> None:
         object.__setattr__(layer, "_custom_fit_activation", activation)
 
 
+def _whole_call(layer: Any, original: Callable[..., Any]) -> Any:
+    """The recording `call` of a layer recorded whole."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        active = _active()
+        if active is None or id(layer) not in active.layers:
+            return original(*args, **kwargs)
+        outputs = original(*args, **kwargs)
+        if not ops.is_tensor(outputs):
+            active.problems.append(
+                f"the layer {_named(layer)} returned a "
+                f"{type(outputs).__name__}, not one tensor, so its "
+                "per-example gradients are not computed alone"
+            )
+            return outputs
+        active.calls.append((layer, Replay(tuple(args), dict(kwargs))))
+        return active.watch(outputs)
+
+    return call
+
+
 def _unwrap(layer: Any) -> None:
     """Restores the layer's own `call` and activation."""
     object.__delattr__(layer, "call")
@@ -299,8 +450,24 @@ def call_problem(layer: Any, inputs: Any, batch_size: Any) -> str:
     Checked where shapes are static: the inputs' first axis must be the
     batch's examples (a layer called on a reshaped batch, `(examples *
     positions, ...)`, would mix them), and a convolution's spatial sizes
-    must be known (its patches are cut at trace time).
+    must be known (its patches are cut at trace time); a layer recorded
+    whole must have been given tensors, each with the examples first.
     """
+    if isinstance(inputs, Replay):
+        tensors = inputs.tensors()
+        if not tensors:
+            return f"the layer {_named(layer)} was called without a tensor"
+        shapes = [tuple(t.shape) for t in tensors]
+        known = isinstance(batch_size, int)
+        if any(
+            not s or (known and s[0] not in (None, batch_size)) for s in shapes
+        ):
+            return (
+                f"the layer {_named(layer)} was called on tensors of shapes "
+                f"{shapes}, not each with the batch's {batch_size} examples "
+                "first"
+            )
+        return ""
     first = inputs.shape[0]
     if isinstance(batch_size, int) and first not in (None, batch_size):
         return (

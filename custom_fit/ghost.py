@@ -22,6 +22,10 @@ An example's gradient of one weight is described by a term:
 - `Rows(indices, g, rows)`: example `i`'s gradient is the table of `rows`
   rows whose row `k` is the sum of `g[i, t]` over the positions `t` where
   `indices[i, t] == k` (an Embedding table).
+- `PerExample(gradients)`: example `i`'s gradient is `gradients[i]`, the
+  gradient itself, for a weight whose gradient is none of these products
+  (a LayerNormalization's scale, a custom layer's weight), computed for
+  its layer alone.
 
 The squared norm of a `Product` is computed in whichever form costs less,
 chosen from the static shapes: the Gram form `sum_{t,s} (x_t . x_s)(g_t .
@@ -97,7 +101,24 @@ class Rows:
     rows: int
 
 
-Term = Product | Rows
+@dataclasses.dataclass(frozen=True)
+class PerExample:
+    """A weight's per-example gradients, held whole.
+
+    Example `i`'s gradient is `gradients[i]`. For the weights of layers
+    whose gradient is no product of their inputs and output gradients,
+    computed for their layer alone from what it saw and what came back
+    to it (`custom_fit.per_example`): memory for one copy of those weights
+    per example, not of the whole model.
+
+    Attributes:
+        gradients: Tensor of shape `(examples, *weight.shape)`.
+    """
+
+    gradients: Tensor
+
+
+Term = Product | Rows | PerExample
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,24 +132,38 @@ class Prepared:
         product: The weight's `Product` terms as one canonical term, or
             `None`.
         rows: The weight's `Rows` terms as one, or `None`.
+        whole: The sum of the weight's `PerExample` gradients (float32),
+            or `None`.
     """
 
     product: Any
     rows: Rows | None
+    whole: Any = None
 
 
 def prepare(terms: "Sequence[Term] | Prepared") -> Prepared:
     """Returns one weight's terms joined and laid out for both uses.
 
     Args:
-        terms: List of `Product` or of `Rows` (one kind), describing the
-            same weight (or an already `Prepared` one, returned as is).
+        terms: List of `Product`, of `Rows` or of `PerExample` (one kind),
+            describing the same weight (or an already `Prepared` one,
+            returned as is).
 
     Returns:
         A `Prepared`.
     """
     if isinstance(terms, Prepared):
         return terms
+    if terms and isinstance(terms[0], PerExample):
+        whole = [
+            ops.cast(t.gradients, "float32")
+            for t in terms
+            if isinstance(t, PerExample)
+        ]
+        total = whole[0]
+        for more in whole[1:]:
+            total = total + more
+        return Prepared(None, None, total)
     if terms and isinstance(terms[0], Rows):
         return Prepared(None, _joined_rows(terms))
     products = [_canonical(t) for t in terms if isinstance(t, Product)]
@@ -161,8 +196,9 @@ def squared_norms(
     per call of a layer used several times) plus `shared`.
 
     Args:
-        terms: List of `Product` or of `Rows` (one kind), describing the
-            same weight, or what `prepare` made of them.
+        terms: List of `Product`, of `Rows` or of `PerExample` (one
+            kind), describing the same weight, or what `prepare` made of
+            them.
         shared: Tensor of the weight's shape or `None`: a gradient that
             every example has (that of weight regularizers).
 
@@ -180,7 +216,9 @@ def squared_norms(
     """
     ready = prepare(terms)
     shared = None if shared is None else ops.cast(shared, "float32")
-    if ready.rows is not None:
+    if ready.whole is not None:
+        squares = _whole_squared_norms(ready.whole, shared)
+    elif ready.rows is not None:
         squares = _rows_squared_norms(ready.rows, shared)
     elif ready.product is not None:
         squares = _product_squared_norms(ready.product, shared)
@@ -257,7 +295,9 @@ def weighted_sum(
     """
     ready = prepare(terms)
     laid = factors_of(factors)
-    if ready.rows is not None:
+    if ready.whole is not None:
+        total = _whole_weighted_sum(ready.whole, laid.values, shape)
+    elif ready.rows is not None:
         total = _rows_weighted_sum(ready.rows, laid.values, shape)
     elif ready.product is not None:
         total = _product_weighted_sum(ready.product, laid, shape)
@@ -621,3 +661,24 @@ def _rows_weighted_sum(
         num_segments=term.rows,
     )
     return ops.reshape(total, tuple(shape))
+
+
+# Per-example gradients held whole.
+
+
+def _whole_squared_norms(gradients: Tensor, shared: Tensor | None) -> Any:
+    """Returns `||G_i||^2 (+ 2 <G_i, shared>)` of gradients held whole."""
+    axes = tuple(range(1, len(gradients.shape)))
+    squares = ops.sum(ops.square(gradients), axis=axes)
+    if shared is None:
+        return squares
+    return squares + 2.0 * ops.sum(gradients * shared, axis=axes)
+
+
+def _whole_weighted_sum(
+    gradients: Tensor, factors: Tensor, shape: Sequence[int]
+) -> Tensor:
+    """Returns `sum_i factors[i] G_i` of gradients held whole."""
+    column = ops.reshape(factors, (-1,) + (1,) * (len(gradients.shape) - 1))
+    kept = ops.where(ops.not_equal(column, 0.0), gradients, 0.0)
+    return ops.reshape(ops.sum(kept * column, axis=0), tuple(shape))

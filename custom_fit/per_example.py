@@ -12,9 +12,12 @@ algorithms compute it, with the same result:
 - `ghost_clipped_sums` (Li et al. 2022): one ordinary forward and backward
   pass records each supported layer's inputs and output gradients; each
   example's norm comes from those products (`custom_fit.ghost`), then the
-  factor-weighted sums. No per-example gradient is ever held; one example
-  per microbatch, and layers whose gradients are such products only
-  (`custom_fit._ghost_layers`).
+  factor-weighted sums. No per-example gradient of those layers is ever
+  held; a layer of another kind (a LayerNormalization, a custom layer
+  whose weights are all its own) has its inputs and output gradients
+  recorded too, and its per-example gradients computed for it alone
+  (`_whole_terms`). One example per microbatch (`custom_fit._ghost_layers`
+  says which models).
 
 `DifferentialPrivacyMixin` chooses between them, adds the noise and
 divides; these functions are the algorithms, given the model whose step
@@ -190,8 +193,10 @@ def ghost_clipped_sums(
     calls: list[Any] = []
 
     def run(watch: Callable[[Any], Any]) -> tuple[Tensor, Any]:
-        with _ghost_layers.recording(layers, watch) as recorded:
+        with _ghost_layers.recording(layers, watch) as recording:
             loss, y_pred = loss_function()
+        recorded = recording.calls
+        problems.extend(recording.problems)
         calls[:] = [layer for layer, _ in recorded]
         if len(model.losses) != len(regularized):
             problems.append(
@@ -208,10 +213,21 @@ def ghost_clipped_sums(
             problems.append(problem)
             total = loss
         value = optimizer.scale_loss(total * pipeline.replica_count())
-        return value, (loss, y_pred, [t for _, t in recorded])
+        # A whole layer's arguments leave the function as tensors only.
+        replays[:] = [t for _, t in recorded]
+        inputs = [
+            t.tensors() if isinstance(t, _ghost_layers.Replay) else t
+            for t in replays
+        ]
+        return value, (loss, y_pred, inputs)
 
+    replays: list[Any] = []
     _, aux, gradients = backend.current().intermediate_gradients(run)
     loss, y_pred, inputs = aux
+    inputs = [
+        r.with_tensors(t) if isinstance(r, _ghost_layers.Replay) else t
+        for r, t in zip(replays, inputs)
+    ]
     first = next(t for t in keras.tree.flatten(x) if t is not None)
     for layer, tensor in zip(calls, inputs):
         problems.append(
@@ -258,10 +274,49 @@ def _ghost_terms(
     for layer, tensor, gradient in zip(calls, inputs, gradients):
         if scale is not None:
             gradient = gradient / ops.cast(scale, gradient.dtype)
-        found = _ghost_layers.terms(layer, tensor, gradient, wanted)
+        if _ghost_layers.is_whole(layer):
+            found = _whole_terms(layer, tensor, gradient, wanted)
+        else:
+            found = _ghost_layers.terms(layer, tensor, gradient, wanted)
         for key, more in found.items():
             terms[key].extend(more)
     return terms
+
+
+def _whole_terms(
+    layer: Any,
+    replay: _ghost_layers.Replay,
+    gradient: Tensor,
+    wanted: set[int],
+) -> dict[int, list[ghost.Term]]:
+    """Returns the per-example gradients of one call of a layer, alone.
+
+    The layer runs again on each example's slice of its recorded
+    arguments (vectorized by the backend, as the vectorized path runs the
+    model), and each example's gradient of its weights is that of the
+    example's output against the output gradient that came back to it.
+    """
+    variables = [v for v in layer.trainable_variables if id(v) in wanted]
+    if not variables:
+        return {}
+
+    def one_example(*slices: Any) -> Tensor:
+        *tensors, output_gradient = slices
+        call = replay.with_tensors(tensors)
+        outputs = layer(*call.args, **call.kwargs)
+        return ops.sum(
+            ops.cast(outputs, "float32") * ops.cast(output_gradient, "float32")
+        )
+
+    # Each example as a batch of one (the first axis is mapped over).
+    inputs = tuple(
+        ops.expand_dims(ops.stop_gradient(t), 1)
+        for t in [*replay.tensors(), gradient]
+    )
+    gradients, _ = backend.current().per_example_gradients(
+        one_example, variables, inputs
+    )
+    return {id(v): [ghost.PerExample(g)] for v, g in zip(variables, gradients)}
 
 
 def _shared_gradients(

@@ -231,7 +231,10 @@ class DifferentialPrivacyMixin(TrainStepMixin):
             microbatch (`num_microbatches=None`).
         clipping_method: String. How each example's gradient is clipped:
             `"auto"` (the default) takes ghost clipping where it applies
-            and per-example gradients elsewhere; `"ghost"` asks for ghost
+            (a layer of another kind whose weights are all its own, such
+            as a LayerNormalization, gets per-example gradients of its
+            weights alone) and per-example gradients of the whole model
+            elsewhere; `"ghost"` asks for ghost
             clipping and refuses a model it cannot handle, naming the
             layer (it also accepts supported layers called from a custom
             layer or model, trusting that code to read their weights only
@@ -605,10 +608,22 @@ class DifferentialPrivacyMixin(TrainStepMixin):
             self, variables, trust_code=self.clipping_method == "ghost"
         )
         if not reason:
+            whole = _ghost_layers.whole_layers(self, variables)
+            alone = ""
+            if whole:
+                named = ", ".join(
+                    f"{layer.name!r} ({type(layer).__name__})"
+                    for layer in whole
+                )
+                alone = (
+                    ", or to a layer whose per-example gradients are "
+                    f"computed for it alone: {named}"
+                )
             return "ghost", (
                 "every trained variable belongs to a layer whose per-example "
                 f"norms come from its inputs and output gradients "
-                f"({_ghost_layers.SUPPORTED_NAMES}, and their LoRA weights)"
+                f"({_ghost_layers.SUPPORTED_NAMES}, and their LoRA "
+                f"weights){alone}"
             )
         if self.clipping_method == "ghost":
             raise ValueError(

@@ -4,7 +4,9 @@ and sums against NumPy's per-example gradients, conv patches against the
 backend's convolution, and whole noiseless `fit` runs of the ghost path
 against the vectorized per-example path (itself checked against the
 NumPy oracle in privacy_test.py), on Dense, Embedding, Conv1D, Conv2D,
-EinsumDense, attention and LoRA models."""
+EinsumDense, attention and LoRA models, and on models with layers that
+have no ghost norm (LayerNormalization, a custom layer's own weight),
+whose per-example gradients are computed for them alone."""
 
 import contextlib
 import os
@@ -114,6 +116,22 @@ def shared_model(model_class=keras.Model, **kwargs):
     return randomized(model_class(inputs, outputs, **kwargs))
 
 
+def normalized_model(model_class=keras.Model, **kwargs):
+    """Layers without a ghost norm among layers with one: a
+    LayerNormalization on every token (its scale regularized: a gradient
+    every example shares) and a custom layer's own weight, called twice;
+    their per-example gradients are computed for them alone."""
+    inputs = keras.Input((6,), dtype="int32")
+    tokens = L.Dense(8, activation="relu")(L.Embedding(20, 8)(inputs))
+    tokens = L.LayerNormalization(
+        gamma_regularizer=keras.regularizers.L2(0.05)
+    )(tokens)
+    twice = Scale()
+    pooled = twice(L.GlobalAveragePooling1D()(twice(tokens)))
+    model = model_class(inputs, L.Dense(3)(pooled), **kwargs)
+    return randomized(model, scale=0.4)
+
+
 # name -> (model, input shape or "tokens", l2_norm_clip): each bound lies
 # between the smallest and largest per-example norms (checked by the
 # clipped share of each test).
@@ -124,6 +142,7 @@ MODELS = {
     "lora": (lora_model, "tokens", 4.0),
     "regularized": (regularized_model, (4,), 2.5),
     "shared": (shared_model, (4,), 1.6),
+    "normalized": (normalized_model, "tokens", 2.0),
 }
 
 
@@ -291,6 +310,29 @@ class GhostMathTest(testing.TestCase):
             ghost.squared_norms([bias]),
             np.sum(g1.sum(axis=1) ** 2, axis=1),
             rtol=1e-5,
+        )
+
+    def test_per_example_gradients_held_whole(self):
+        """Gradients held whole (`PerExample`): two calls add up, a shared
+        gradient enters the norms and the sums, and an example with a NaN
+        gradient and a factor of 0 contributes exactly zero."""
+        first, second = self.normal(5, 3, 2), self.normal(5, 3, 2)
+        shared, factors = self.normal(3, 2), self.rng.uniform(size=5)
+        first[2, 1, 0] = np.nan
+        factors[2] = 0.0
+        terms = [ghost.PerExample(first), ghost.PerExample(second)]
+        total = first.astype(np.float64) + second
+        norms = np.asarray(ghost.squared_norms(terms, shared))
+        expected = np.sum((total + shared) ** 2, axis=(1, 2))
+        self.assertTrue(np.isnan(norms[2]))
+        keep = [0, 1, 3, 4]
+        self.assertAllClose(norms[keep], expected[keep], rtol=1e-5)
+        total[2] = 0.0
+        self.assertAllClose(
+            ghost.weighted_sum(terms, factors, (3, 2), shared),
+            np.einsum("b,bpq->pq", factors, total) + factors.sum() * shared,
+            rtol=1e-5,
+            atol=1e-5,
         )
 
     @parameterized.named_parameters(("pairs", 20), ("one_hot", 3))
@@ -493,6 +535,58 @@ class Scale(L.Layer):
         return inputs * self.scale
 
 
+class NoisyScale(Scale):
+    """A weight of its own, and noise drawn in its call."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.seeds = keras.random.SeedGenerator(0)
+
+    def call(self, inputs):
+        noise = keras.random.normal(ops.shape(inputs), seed=self.seeds)
+        return super().call(inputs) + 0.01 * noise
+
+
+class Counted(Scale):
+    """A weight of its own, and a non-trainable one its call updates."""
+
+    def build(self, input_shape):
+        super().build(input_shape)
+        self.calls = self.add_weight(
+            shape=(), initializer="zeros", trainable=False
+        )
+
+    def call(self, inputs):
+        self.calls.assign_add(1.0)
+        return super().call(inputs)
+
+
+class ScaledBlock(L.Layer):
+    """A weight of its own and a Dense inside."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.inner = L.Dense(3)
+
+    def build(self, input_shape):
+        self.scale = self.add_weight(shape=(), initializer="ones")
+
+    def call(self, inputs):
+        return self.inner(inputs) * self.scale
+
+
+class TransposedKernel(L.Layer):
+    """Multiplies by the transpose of another layer's kernel, which it
+    holds as a weight of its own (a weight tied across layers)."""
+
+    def __init__(self, kernel, **kwargs):
+        super().__init__(**kwargs)
+        self.tied = kernel
+
+    def call(self, inputs):
+        return ops.matmul(inputs, ops.transpose(self.tied))
+
+
 class Block(L.Layer):
     """A custom layer calling a Dense of its own (code Keras did not
     write)."""
@@ -512,14 +606,15 @@ def with_layer(layer, model_class=keras.Model, **kwargs):
     return model_class(inputs, L.Dense(3)(hidden), **kwargs)
 
 
-def compiled_with_layer(layer, method):
+def compiled_with_layer(layer, method, clip=0.5):
     """A noiseless private model around `layer`, with `clipping_method`
-    `method`, randomized and compiled with SGD."""
+    `method` and `l2_norm_clip` `clip`, randomized and compiled with
+    SGD."""
     model = randomized(
         with_layer(
             layer,
             PrivateNet,
-            l2_norm_clip=0.5,
+            l2_norm_clip=clip,
             noise_multiplier=0.0,
             clipping_method=method,
         )
@@ -546,6 +641,86 @@ class ClippingMethodTest(testing.TestCase):
             lambda: L.LayerNormalization(name="norm"),
             "'norm' (LayerNormalization)",
         ),
+    )
+    def test_a_layer_without_ghost_norm_is_differentiated_alone(
+        self, make, named
+    ):
+        """A layer with no ghost norm whose weights are its own keeps the
+        model on the ghost path (its per-example gradients computed for it
+        alone), says so naming it, and trains as the vectorized path."""
+        model = with_layer(
+            make(), PrivateNet, l2_norm_clip=1.0, noise_multiplier=1.0
+        )
+        self.assertEqual(model.per_example_clipping, "ghost")
+        self.assertIn(
+            f"computed for it alone: {named}",
+            model.per_example_clipping_reason,
+        )
+        x, y = testing.classification_data(samples=4 * BATCH, features=4)
+        weights, shares = [], []
+        for method in ("auto", "vectorized"):
+            keras.utils.set_random_seed(0)
+            model = compiled_with_layer(make(), method, clip=1.4)
+            history = model.fit(
+                x, y, batch_size=BATCH, shuffle=False, verbose=0
+            ).history
+            weights.append(model.get_weights())
+            shares.append(history["dp_clipped_fraction"][-1])
+        self.assertBetween(shares[1], 0.1, 0.9)
+        self.assertAllClose(shares[0], shares[1], atol=1e-6)
+        self.assertAllClose(weights[0], weights[1], atol=1e-6)
+
+    @parameterized.named_parameters(
+        (
+            "own_weight_and_inner_layer",
+            lambda: ScaledBlock(name="block"),
+            "'block' (ScaledBlock)",
+            "holds layers with weights",
+        ),
+        (
+            "random_draws",
+            lambda: NoisyScale(name="noisy"),
+            "'noisy' (NoisyScale)",
+            "draws random numbers",
+        ),
+        (
+            "updated_weight",
+            lambda: Counted(name="counted"),
+            "'counted' (Counted)",
+            "non-trainable weights",
+        ),
+    )
+    def test_a_layer_not_differentiable_alone_falls_back(
+        self, make, named, why
+    ):
+        """A layer without ghost norm whose per-example gradients cannot be
+        computed alone sends `auto` to the vectorized path, naming the
+        layer and the reason."""
+        model = with_layer(
+            make(), PrivateNet, l2_norm_clip=1.0, noise_multiplier=1.0
+        )
+        self.assertEqual(model.per_example_clipping, "vectorized")
+        self.assertIn(named, model.per_example_clipping_reason)
+        self.assertIn(why, model.per_example_clipping_reason)
+
+    def test_a_weight_shared_across_layers_falls_back(self):
+        """A Dense's kernel also held and read by another layer (tied):
+        the Dense's recorded calls would miss the other's reads, so `auto`
+        takes the vectorized path, naming both layers."""
+        inputs = keras.Input((4,))
+        dense = L.Dense(4, name="first")
+        hidden = dense(inputs)
+        tied = TransposedKernel(dense.kernel, name="tied")(hidden)
+        model = PrivateNet(
+            inputs, L.Dense(3)(tied), l2_norm_clip=1.0, noise_multiplier=1.0
+        )
+        self.assertEqual(model.per_example_clipping, "vectorized")
+        reason = model.per_example_clipping_reason
+        self.assertIn("'first' (Dense)", reason)
+        self.assertIn("'tied' (TransposedKernel)", reason)
+        self.assertIn("shared across layers", reason)
+
+    @parameterized.named_parameters(
         ("custom_caller", lambda: Block(name="block"), "'block' (Block)"),
         (
             "lambda",
@@ -584,7 +759,7 @@ class ClippingMethodTest(testing.TestCase):
         """`clipping_method="ghost"` on an unsupported layer raises at fit
         (and when asked), naming the layer and the fix."""
         model = with_layer(
-            Scale(name="scale"),
+            NoisyScale(name="noisy"),
             PrivateNet,
             l2_norm_clip=1.0,
             noise_multiplier=1.0,
@@ -592,7 +767,7 @@ class ClippingMethodTest(testing.TestCase):
         )
         model.compile(optimizer="sgd", loss=testing.sparse_crossentropy())
         x, y = testing.classification_data(samples=8, features=4)
-        message = r"'scale' \(Scale\).*Received: clipping_method='ghost'"
+        message = r"'noisy' \(NoisyScale\).*Received: clipping_method='ghost'"
         with self.assertRaisesRegex(ValueError, message):
             model.fit(x, y, verbose=0)
         with self.assertRaisesRegex(ValueError, "'vectorized'"):

@@ -51,6 +51,12 @@ class ClippingLM(
     pass
 
 
+class PrivateLM(
+    custom_fit.DifferentialPrivacyMixin, keras_hub.models.GPT2CausalLM
+):
+    pass
+
+
 class ClippedClassifier(
     custom_fit.GradientClippingMixin, keras_hub.models.BertTextClassifier
 ):
@@ -268,6 +274,49 @@ class CausalLMTest(testing.TestCase):
         self.assertIsInstance(text, str)
         self.assertTrue(text.startswith("a b"), text)
         self.assertEqual(text, plain.generate("a b", max_length=6))
+
+
+class PrivateLMTest(testing.TestCase):
+    def test_ghost_clipping_equals_per_example_gradients(self):
+        """DP-SGD on a GPT-2 causal LM by ghost clipping (its layer norms,
+        tied token embedding and position embedding differentiated alone,
+        its Dense and attention layers by ghost norms) trains as with the
+        whole model's per-example gradients: same clipped share, same
+        weights (noiseless SGD, one epoch of two batches)."""
+        x, y = tokens()
+        weights, shares = [], []
+        for method in ("ghost", "vectorized"):
+            keras.utils.set_random_seed(0)
+            task = PrivateLM(
+                backbone=gpt2_backbone(),
+                preprocessor=None,
+                l2_norm_clip=1.0,
+                noise_multiplier=0.0,
+                clipping_method=method,
+            )
+            task.compile(optimizer=keras.optimizers.SGD(0.5))
+            with warnings.catch_warnings():
+                # PyTorch's vmap batches attention op by op, and says so.
+                warnings.filterwarnings(
+                    "ignore", ".*There is a performance drop"
+                )
+                history = task.fit(
+                    x, y, batch_size=8, shuffle=False, verbose=0
+                ).history
+            self.assertEqual(task.per_example_clipping, method)
+            weights.append(task.get_weights())
+            shares.append(history["dp_clipped_fraction"][-1])
+            if method == "ghost":
+                reason = task.per_example_clipping_reason
+                for kind in (
+                    "(LayerNormalization)",
+                    "(ReversibleEmbedding)",
+                    "(PositionEmbedding)",
+                ):
+                    self.assertIn(kind, reason)
+        self.assertBetween(shares[1], 0.1, 0.9)
+        self.assertAllClose(shares[0], shares[1], atol=1e-6)
+        self.assertAllClose(weights[0], weights[1], atol=1e-6)
 
 
 class LayerDepthTest(testing.TestCase):

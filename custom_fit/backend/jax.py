@@ -23,19 +23,19 @@ statistics, metrics), which are then recorded in the enclosing scope.
 State that custom_fit makes lazily (the metrics of `report_metric`,
 inspection figures, accumulators) must exist before the step is traced,
 since the state's structure is fixed then. So the first call of each
-function runs the step once eagerly, in a scope whose updates are thrown
-away (`discover`): what it creates is made then, outside any trace, and
-joins the state. A condition (`run_if`) runs its function and selects,
-for every variable it changed, the new or the old value.
+function traces the step once abstractly (`jax.eval_shape`, `discover`):
+what it creates is made then, outside the compiled trace, and joins the
+state. A condition (`run_if`) is a `jax.lax.cond` over the variables its
+function updates.
+
+None of this machinery but the `jax.*` calls is JAX's own: the scopes,
+the pure runs and the train function live in `_stateless`, which this
+adapter subclasses with JAX's abstract trace, compiler and placement.
 """
 
 import contextlib
-import threading
 import warnings
-import weakref
 from collections.abc import Callable
-from collections.abc import Iterable
-from collections.abc import Iterator
 from collections.abc import Sequence
 from typing import Any
 
@@ -46,6 +46,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 from keras import ops
 
+from custom_fit.backend import _stateless
 from custom_fit.backend._dense import add_noise  # noqa: F401
 from custom_fit.backend._dense import add_to  # noqa: F401
 from custom_fit.backend._dense import all_reduce_sum  # noqa: F401
@@ -70,77 +71,6 @@ from custom_fit.backend._global_data import fit_callbacks  # noqa: F401
 from custom_fit.backend._global_data import forward  # noqa: F401
 from custom_fit.backend._global_data import summed_results  # noqa: F401
 
-_LOCAL = threading.local()
-
-
-class _Scope(keras.StatelessScope):
-    """A `keras.StatelessScope` that also remembers the updated variables.
-
-    Args:
-        mapping: Dict of `id(variable)` to value: the values the scope
-            starts from (copied).
-        collect_losses: Bool. Collect the losses of `add_loss`.
-    """
-
-    def __init__(self, mapping: dict[int, Any], collect_losses: bool) -> None:
-        super().__init__(collect_losses=collect_losses)
-        self.state_mapping = dict(mapping)
-        self.updated: dict[int, Any] = {}
-
-    def add_update(self, update: tuple[Any, Any]) -> None:
-        variable, value = update
-        self.updated[id(variable)] = variable
-        super().add_update(update)
-
-
-def _stack() -> list[_Scope]:
-    if not hasattr(_LOCAL, "scopes"):
-        _LOCAL.scopes = []
-    return _LOCAL.scopes
-
-
-def _current() -> _Scope | None:
-    scopes = _stack()
-    return scopes[-1] if scopes else None
-
-
-@contextlib.contextmanager
-def _entered(scope: _Scope) -> Iterator[_Scope]:
-    """Enters `scope` and makes it the current custom_fit scope."""
-    _stack().append(scope)
-    try:
-        with scope:
-            yield scope
-    finally:
-        _stack().pop()
-
-
-def _child(overrides: Iterable[tuple[Any, Any]] = ()) -> _Scope:
-    """Returns a scope starting from the current one's values."""
-    parent = _current()
-    mapping = dict(parent.state_mapping) if parent is not None else {}
-    for variable, value in overrides:
-        mapping[id(variable)] = value
-    return _Scope(mapping, collect_losses=True)
-
-
-def _write_back(scope: _Scope, skip: frozenset[int] = frozenset()) -> None:
-    """Records the updates of a finished child scope in its parent.
-
-    Outside any custom_fit scope (a call outside `fit`), the variables are
-    assigned directly.
-    """
-    parent = _current()
-    for key, variable in scope.updated.items():
-        if key in skip:
-            continue
-        value = scope.state_mapping[key]
-        if parent is not None:
-            parent.add_update((variable, value))
-        else:
-            variable.assign(value)
-
-
 # Differentiation.
 
 
@@ -154,24 +84,17 @@ def value_and_grad(
     """
     if callable(variables):
         variables = variables()
-    variables = list(variables)
-    scopes: list[_Scope] = []
+    run = _stateless.PureRun(variables)
 
     def pure(values: list[Any]) -> tuple[Any, tuple[Any, dict]]:
-        scope = _child(zip(variables, values))
-        with _entered(scope):
-            value, aux = function()
-        scopes.append(scope)
-        updates = {key: scope.state_mapping[key] for key in scope.updated}
+        (value, aux), updates = run(values, function)
         return value, (aux, updates)
 
-    start = [variable.value for variable in variables]
+    start = [variable.value for variable in run.variables]
     (value, (aux, updates)), gradients = jax.value_and_grad(pure, has_aux=True)(
         start
     )
-    scope = scopes[-1]
-    scope.state_mapping.update(updates)
-    _write_back(scope, skip=frozenset(id(v) for v in variables))
+    run.finish(updates, skip_variables=True)
     return value, aux, list(gradients)
 
 
@@ -185,18 +108,13 @@ def values_and_grads(
     """
     if callable(variables):
         variables = variables()
-    variables = list(variables)
-    scopes: list[_Scope] = []
+    run = _stateless.PureRun(variables)
 
     def pure(values: list[Any]) -> tuple[dict[str, Any], tuple[Any, dict]]:
-        scope = _child(zip(variables, values))
-        with _entered(scope):
-            losses, aux = function()
-        scopes.append(scope)
-        updates = {key: scope.state_mapping[key] for key in scope.updated}
+        (losses, aux), updates = run(values, function)
         return dict(losses), (aux, updates)
 
-    start = [variable.value for variable in variables]
+    start = [variable.value for variable in run.variables]
     losses, vjp, (aux, updates) = jax.vjp(pure, start, has_aux=True)
     gradients = {}
     for name in losses:
@@ -208,9 +126,7 @@ def values_and_grads(
         }
         (gradients[name],) = vjp(cotangent)
         gradients[name] = list(gradients[name])
-    scope = scopes[-1]
-    scope.state_mapping.update(updates)
-    _write_back(scope, skip=frozenset(id(v) for v in variables))
+    run.finish(updates, skip_variables=True)
     return losses, aux, gradients
 
 
@@ -223,14 +139,12 @@ def per_example_gradients(
     `jax.vmap` of `jax.grad`. Updates the function makes (random seeds)
     stay inside it: each slice sees the step's state.
     """
-    variables = list(variables)
+    run = _stateless.PureRun(variables)
 
     def pure(values: list[Any], args: tuple) -> Any:
-        scope = _child(zip(variables, values))
-        with _entered(scope):
-            return function(*args)
+        return run(values, function, *args)[0]
 
-    start = [variable.value for variable in variables]
+    start = [variable.value for variable in run.variables]
     gradients = jax.vmap(jax.grad(pure), in_axes=(None, 0))(start, inputs)
     return list(gradients), True
 
@@ -242,21 +156,15 @@ def input_gradients(
 
     See `custom_fit.backend.tensorflow.input_gradients`.
     """
-    scopes: list[_Scope] = []
+    run = _stateless.PureRun()
 
     def pure(values: list[Any]) -> tuple[Any, dict]:
-        scope = _child()
-        with _entered(scope):
-            value = function(values)
-        scopes.append(scope)
-        return value, {key: scope.state_mapping[key] for key in scope.updated}
+        return run((), function, values)
 
     gradients, updates = jax.grad(pure, has_aux=True)(
         [ops.convert_to_tensor(x) for x in inputs]
     )
-    scope = scopes[-1]
-    scope.state_mapping.update(updates)
-    _write_back(scope)
+    run.finish(updates, skip_variables=False)
     return list(gradients)
 
 
@@ -279,12 +187,12 @@ def intermediate_gradients(
             shapes.append(jax.ShapeDtypeStruct(tensor.shape, tensor.dtype))
             return tensor
 
-        with _entered(_child()):
+        with _stateless.entered(_stateless.child()):
             value, _ = function(watch)
         return value
 
     jax.eval_shape(shapes_only)
-    scopes: list[_Scope] = []
+    run = _stateless.PureRun()
 
     def pure(probes: list[Any]) -> tuple[Any, tuple[Any, dict]]:
         remaining = iter(probes)
@@ -292,20 +200,14 @@ def intermediate_gradients(
         def watch(tensor: Any) -> Any:
             return tensor + next(remaining)
 
-        scope = _child()
-        with _entered(scope):
-            value, aux = function(watch)
-        scopes.append(scope)
-        updates = {key: scope.state_mapping[key] for key in scope.updated}
+        (value, aux), updates = run((), function, watch)
         return value, (aux, updates)
 
     probes = [jax.numpy.zeros(s.shape, s.dtype) for s in shapes]
     (value, (aux, updates)), gradients = jax.value_and_grad(pure, has_aux=True)(
         probes
     )
-    scope = scopes[-1]
-    scope.state_mapping.update(updates)
-    _write_back(scope)
+    run.finish(updates, skip_variables=False)
     return value, aux, list(gradients)
 
 
@@ -330,15 +232,15 @@ def run_if(
     when `condition` is true.
     """
     del synchronized
-    parent = _current()
+    parent = _stateless.current()
     if parent is None or not isinstance(condition, jax.core.Tracer):
         # Op by op (outside a step, or a step run eagerly): a concrete
         # condition is a Python branch, computed as the rest of the step is.
         if bool(np.asarray(condition)):
             function(*args)
         return
-    probe = _child()
-    with _entered(probe):
+    probe = _stateless.child()
+    with _stateless.entered(probe):
         function(*args)
     variables = list(probe.updated.values())
     if not variables:
@@ -349,8 +251,8 @@ def run_if(
         olds.append(variable.value if old is None else old)
 
     def run(_: Any) -> list[Any]:
-        scope = _child()
-        with _entered(scope):
+        scope = _stateless.child()
+        with _stateless.entered(scope):
             function(*args)
         return [scope.state_mapping[id(v)] for v in variables]
 
@@ -475,11 +377,6 @@ def copy(value: Any) -> Any:
     return ops.convert_to_tensor(value)
 
 
-# The state of each model's latest call of a train or test function, while
-# `fit` runs (Keras writes it into the variables at the end of an epoch).
-_LATEST: "weakref.WeakKeyDictionary[Any, _Latest]" = weakref.WeakKeyDictionary()
-
-
 def host_value(model: Any, variable: Any) -> np.ndarray:
     """Returns a variable's value on the host, during `fit` too.
 
@@ -487,7 +384,7 @@ def host_value(model: Any, variable: Any) -> np.ndarray:
     function returned last (Keras writes them back into the variables only
     at the end of an epoch); they are read from there.
     """
-    return fetch(_latest_value(model, variable))
+    return fetch(_stateless.latest_value(model, variable))
 
 
 def snapshot(model: Any, variable: Any) -> Any:
@@ -497,18 +394,11 @@ def snapshot(model: Any, variable: Any) -> Any:
     for a scalar, the copy the step returned beside its state; else a copy
     (queued, asynchronous).
     """
-    latest = _LATEST.get(model)
+    latest = _stateless.LATEST.get(model)
     found = None if latest is None else latest.scalars.get(id(variable))
     if found is not None:
         return found
-    return jax.numpy.copy(_latest_value(model, variable))
-
-
-def _latest_value(model: Any, variable: Any) -> Any:
-    """The variable's value in the model's latest state, else its own."""
-    latest = _LATEST.get(model)
-    value = None if latest is None else latest.get(variable)
-    return variable.value if value is None else value
+    return jax.numpy.copy(_stateless.latest_value(model, variable))
 
 
 def fetch(value: Any) -> np.ndarray:
@@ -535,9 +425,7 @@ def write_latest(model: Any) -> None:
     For when training stops with an exception inside an epoch, before
     Keras writes the state back.
     """
-    latest = _LATEST.get(model)
-    if latest is not None:
-        latest.write()
+    _stateless.write_latest(model)
 
 
 def after_state_sync(model: Any) -> None:
@@ -548,7 +436,7 @@ def after_state_sync(model: Any) -> None:
     written last.
     """
     write_latest(model)
-    _LATEST.pop(model, None)
+    _stateless.LATEST.pop(model, None)
 
 
 # Training functions.
@@ -607,227 +495,32 @@ def check_strategy() -> None:
     """Accepts every `keras.distribution` setting."""
 
 
-class _Layout:
-    """The variables of each group of a step's state, and where each is.
-
-    Made once per layout of the state (the groups' variables), not per
-    call.
-    """
-
-    def __init__(self, groups: list[list[Any]]) -> None:
-        self.groups = groups
-        self.sizes = [len(g) for g in groups]
-        self.index = {
-            id(variable): (g, i)
-            for g, variables in enumerate(groups)
-            for i, variable in enumerate(variables)
-        }
-
-
-class _Latest:
-    """The state returned by the last call, readable per variable.
-
-    Keras' state (its groups of variables) and custom_fit's own state (the
-    last group) of the model's latest call of a train or test function.
-    """
-
-    def __init__(
-        self, layout: _Layout, state: tuple, scalars: list[Any]
-    ) -> None:
-        self.layout = layout
-        self.state = state
-        own = state[-1]
-        scalar_values = iter(scalars)
-        # The undonated copies of the scalars of custom_fit's state.
-        self.scalars = {
-            id(variable): next(scalar_values)
-            for variable, value in zip(layout.groups[-1], own)
-            if not getattr(value, "shape", ())
-        }
-
-    def write(self) -> None:
-        """Assigns every variable its value in the state."""
-        for variables, values in zip(self.layout.groups, self.state):
-            for variable, value in zip(variables, values):
-                variable.assign(value)
-
-    def get(self, variable: Any) -> Any:
-        where = self.layout.index.get(id(variable))
-        if where is None:
-            return None
-        return self.state[where[0]][where[1]]
-
-
-class _StepFunction:
+class _StepFunction(_stateless.StepFunction):
     """Keras' JAX train or test function, around the imperative step.
 
-    Called as Keras calls its own: `(state, iterator) -> (logs, state)`,
-    running `steps_per_execution` steps. custom_fit's own state (see
-    `custom_fit._state.StateHolder`) travels beside Keras' state: each call
-    starts from the values the model's latest call returned (or, after
-    Keras wrote the state back into the variables, from the variables) and
-    keeps the new ones for the next call.
+    `_stateless.StepFunction` with JAX's transformations: the abstract
+    trace is `jax.eval_shape`, the compiler `jax.jit` (the state donated,
+    and laid out as it entered the first step), the placement
+    `jax.device_put`.
     """
 
     def __init__(
         self, model: Any, kind: str, own_state: Callable[[], list[Any]]
     ) -> None:
-        self.model = model
-        self.kind = kind
-        self.own_state = own_state
-        self.discovered = False
-        self.step: Any = None  # compiled at the first call
+        super().__init__(model, kind, own_state)
         self.shardings: tuple[Any, Any] | None = None
-        self._layout: _Layout | None = None
-        self._own: tuple[int, list[Any]] | None = None
 
-    def groups(self) -> list[list[Any]]:
-        """The variables of each element of the state, as Keras orders them."""
-        model = self.model
-        if self.kind == "train":
-            return [
-                list(model.trainable_variables),
-                list(model.non_trainable_variables),
-                list(model.optimizer.variables),
-                list(model.metrics_variables),
-            ]
-        return [
-            list(model.trainable_variables),
-            list(model.non_trainable_variables),
-            list(model.metrics_variables),
-        ]
+    def _abstract(self, function: Callable[..., Any], *args: Any) -> Any:
+        return jax.eval_shape(function, *args)
 
-    def own_variables(self) -> list[Any]:
-        """custom_fit's state variables of the model and its networks.
-
-        Those Keras' state does not hold already, each once; listed again
-        only when the list `own_state` returns changed length (state is
-        only ever added), not at every call.
-        """
-        variables = self.own_state()
-        if self._own is None or self._own[0] != len(variables):
-            in_keras_state = {id(v) for group in self.groups() for v in group}
-            found: dict[int, Any] = {}
-            for variable in variables:
-                if id(variable) not in in_keras_state:
-                    found.setdefault(id(variable), variable)
-            self._own = (len(variables), list(found.values()))
-        return self._own[1]
-
-    def _run(self, data: Any) -> Any:
-        if self.kind == "train":
-            return self.model.train_step(data)
-        return self.model.test_step(data)
-
-    def extra_variables(self) -> list[Any]:
-        """Variables the step reads that Keras does not put in its state.
-
-        Keras' test state has no optimizer variables, yet a scheduled
-        option is evaluated at `optimizer.iterations` in the test step too;
-        their current values are passed beside the state, read-only.
-        """
-        optimizer = getattr(self.model, "optimizer", None)
-        if self.kind == "test" and optimizer is not None:
-            return list(optimizer.variables)
-        return []
-
-    def _stateless(
-        self, state: tuple, own: list[Any], data: Any, extras: list[Any]
-    ) -> tuple[Any, tuple, list[Any], list[Any]]:
-        groups = self.groups()
-        own_variables = self.own_variables()
-        mapping = {
-            id(variable): value
-            for variable, value in zip(self.extra_variables(), extras)
-        }
-        mapping.update(
-            {
-                id(variable): value
-                for variables, values in zip(
-                    [*groups, own_variables], [*state, own]
-                )
-                for variable, value in zip(variables, values)
-            }
-        )
-        with _entered(_Scope(mapping, collect_losses=True)) as scope:
-            logs = self._run(data)
-        if self.eager():
-            # Run op by op, the step may make its state at its first run:
-            # a variable made in the scope was initialized when it closed.
-            groups, own_variables = self.groups(), self.own_variables()
-            for variable in [*(v for g in groups for v in g), *own_variables]:
-                if id(variable) not in scope.state_mapping:
-                    scope.state_mapping[id(variable)] = variable.value
-        after = [len(g) for g in [*self.groups(), self.own_variables()]]
-        if after != [len(g) for g in [*groups, own_variables]]:
-            raise RuntimeError(
-                "custom_fit made new state while a JAX step was traced: "
-                "everything a step reports or keeps must exist when it is "
-                "traced. Received: a report or state first made at a "
-                f"later trace of the {self.kind} step of "
-                f"{self.model.name!r}. Report the same names at every "
-                "step (no Python branch on the data)."
-            )
-        new_state = tuple(
-            [scope.state_mapping[id(variable)] for variable in variables]
-            for variables in groups
-        )
-        new_own = [scope.state_mapping[id(v)] for v in own_variables]
-        # The scalars of custom_fit's state once more, in buffers the next
-        # call does not take over (it donates the state): the host reads
-        # them a call later (`snapshot`) without a copy of its own.
-        scalars = [
-            ops.copy(value)
-            for value in new_own
-            if not getattr(value, "shape", ())
-        ]
-        return logs, new_state, new_own, scalars
-
-    def discover(self, state: tuple, data: Any) -> tuple:
-        """Traces the step once abstractly, to make the state it makes.
-
-        The step makes some of its state when first run (the metrics of
-        `report_metric`, inspection's figures, accumulation's sums, an
-        optimizer built at its first update): it is traced once with
-        `jax.eval_shape` (shapes only: no op runs, nothing is compiled), in
-        a scope of the current values. Variables made there are
-        initialized when the scope closes, outside the trace, with their
-        initializers' concrete values; the updates the trace computed are
-        dropped.
-
-        Returns:
-            The state, extended by the state the step made.
-        """
-        before = self.groups()
-        values = {
-            id(variable): value
-            for variables, group in zip(before, state)
-            for variable, value in zip(variables, group)
-        }
-        for variable in [*self.extra_variables(), *self.own_variables()]:
-            values.setdefault(id(variable), variable.value)
-        with _entered(_Scope(values, collect_losses=True)):
-            jax.eval_shape(self._run, data)
-        self.discovered = True
-        return tuple(
-            [values.get(id(v), None) if id(v) in values else v.value for v in g]
-            for g in self.groups()
-        )
-
-    def eager(self) -> bool:
-        """Whether the step runs op by op (`run_eagerly`, no `jit_compile`)."""
-        return bool(self.model.run_eagerly or not self.model.jit_compile)
-
-    def _compiled(self, state: tuple, own: list[Any]) -> Any:
-        """Returns the step function, `jax.jit`-compiled unless eager.
+    def _compile(self, state: tuple, own: list[Any]) -> Any:
+        """Returns the step `jax.jit`-compiled.
 
         The state leaves each step laid out as it entered the first one
         (`out_shardings`, as Keras' JAX trainer compiles its step): under
         `keras.distribution` nothing is re-laid out by XLA's choice, and
         the step compiles once.
         """
-        if self.eager():
-            return self._stateless
         self.shardings = _state_shardings(self.groups(), state, own)
         if self.shardings is None:
             return jax.jit(self._stateless, donate_argnums=(0, 1))
@@ -837,45 +530,10 @@ class _StepFunction:
             out_shardings=(None, *self.shardings, None),
         )
 
-    def own_values(self, own_variables: list[Any]) -> list[Any]:
-        """The current values of custom_fit's state, for the next call."""
-        latest = _LATEST.get(self.model)
-        values = []
-        for variable in own_variables:
-            value = latest.get(variable) if latest is not None else None
-            values.append(variable.value if value is None else value)
-        return values
-
-    def __call__(self, state: tuple, iterator: Any) -> tuple[Any, tuple]:
-        iterator = iter(iterator)
-        data = next(iterator)
-        if not self.discovered and not self.eager():
-            # Op by op, the first step makes its state itself (`_stateless`):
-            # an abstract trace would show a user's hooks tracers.
-            state = self.discover(state, data)
-        extras = [variable.value for variable in self.extra_variables()]
-        own_variables = self.own_variables()
-        own = self.own_values(own_variables)
-        if self.step is None:
-            self.step = self._compiled(state, own)
-            if self.shardings is not None:
-                # As the step will return it, so that it compiles once.
-                state, own = jax.device_put((state, own), self.shardings)
-        logs, state, own, scalars = self.step(state, own, data, extras)
-        for _ in range(self.model.steps_per_execution - 1):
-            try:
-                data = next(iterator)
-            except StopIteration:
-                break
-            logs, state, own, scalars = self.step(state, own, data, extras)
-        layout = self._layout
-        sizes = [*(len(g) for g in state), len(own)]
-        if layout is None or layout.sizes != sizes:
-            layout = self._layout = _Layout(
-                [*self.groups(), self.own_variables()]
-            )
-        _LATEST[self.model] = _Latest(layout, (*state, own), scalars)
-        return logs, state
+    def _placed(self, state: tuple, own: list[Any]) -> tuple[tuple, list]:
+        if self.shardings is None:
+            return state, own
+        return jax.device_put((state, own), self.shardings)
 
 
 def _state_shardings(

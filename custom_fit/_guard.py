@@ -164,9 +164,9 @@ class Guard:
             skipped, before.metric_variables, before.metrics
         )
         if before.layer_variables:
-            pipeline.run_if(
+            backend.current().run_if(
                 skipped,
-                lambda copies: pipeline.assign_variables(
+                lambda copies: backend.current().assign_variables(
                     before.layer_variables, copies
                 ),
                 args=(before.layers,),

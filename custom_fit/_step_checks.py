@@ -15,6 +15,7 @@ import keras
 from custom_fit import _gradient_ops
 from custom_fit import _options
 from custom_fit import _validation
+from custom_fit import backend
 from custom_fit import pipeline
 from custom_fit._types import Gradients
 from custom_fit._types import Optimizer
@@ -398,7 +399,7 @@ def warn_about_optimizer_clipping(model: Any, optimizer: Optimizer) -> None:
     """Warns once if the optimizer's own clipping is wrong or redundant."""
     found = pipeline.optimizer_clipping(optimizer)
     twice = _options.any_set(model, "clipping")
-    if not found or not (twice or pipeline.replica_count() > 1):
+    if not found or not (twice or backend.current().replica_count() > 1):
         return
     model._warn_once(
         "optimizer_clipping",

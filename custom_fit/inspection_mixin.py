@@ -15,7 +15,6 @@ from custom_fit import _state
 from custom_fit import _validation
 from custom_fit import backend
 from custom_fit import inspection
-from custom_fit import pipeline
 from custom_fit._types import Gradients
 from custom_fit._types import Optimizer
 from custom_fit._types import Tensor
@@ -286,7 +285,7 @@ class GradientInspectionMixin(TrainStepMixin):
         if selected is True:
             record()
             return
-        pipeline.run_if(selected, record)
+        backend.current().run_if(selected, record)
 
     def _inspection_state(
         self, owners: Sequence[str], variables: Sequence[Variable]

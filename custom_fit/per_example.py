@@ -132,7 +132,7 @@ def vectorized_clipped_sums(
     )
     if sample_weight is not None:
         inputs += (keras.tree.map_structure(split, sample_weight),)
-    replicas = pipeline.replica_count()
+    replicas = backend.current().replica_count()
     scale = pipeline.loss_scale(optimizer)
 
     def microbatch_loss(x: Any, y: Any, weights: Any = None) -> Tensor:
@@ -154,7 +154,9 @@ def vectorized_clipped_sums(
     # Poisson batch) contributes nothing, `model.losses` included.
     mask = None if sample_weight is None else weighted_microbatches(inputs[2])
     sums, norms = privacy.clip_and_sum(per_microbatch, clip, mask)
-    return Clipped(pipeline.all_reduce_sum(sums), norms, mask), vectorized
+    return Clipped(
+        backend.current().all_reduce_sum(sums), norms, mask
+    ), vectorized
 
 
 def ghost_clipped_sums(
@@ -212,7 +214,7 @@ def ghost_clipped_sums(
         if total is None:
             problems.append(problem)
             total = loss
-        value = optimizer.scale_loss(total * pipeline.replica_count())
+        value = optimizer.scale_loss(total * backend.current().replica_count())
         # A whole layer's arguments leave the function as tensors only.
         replays[:] = [t for _, t in recorded]
         inputs = [
@@ -257,7 +259,11 @@ def ghost_clipped_sums(
         ghost.weighted_sum(terms[id(v)], factors, v.shape, shared.get(id(v)))
         for v in variables
     ]
-    return loss, y_pred, Clipped(pipeline.all_reduce_sum(sums), norms, mask)
+    return (
+        loss,
+        y_pred,
+        Clipped(backend.current().all_reduce_sum(sums), norms, mask),
+    )
 
 
 def _ghost_terms(

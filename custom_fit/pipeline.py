@@ -25,6 +25,11 @@ loss, _, grads = model.compute_gradients(loss_function, variables)
 grads = custom_fit.clipping.clip_by_global_norm(grads, 1.0)
 apply_true_gradients(optimizer, grads, variables)
 ```
+
+`replica_count`, `all_reduce_sum`, `run_if` and `assign_variables` are the
+backend adapter's own functions, public here for such steps; custom_fit's
+core calls the adapter (`custom_fit.backend.current()`) directly: one
+route from the core to a backend.
 """
 
 from collections.abc import Callable

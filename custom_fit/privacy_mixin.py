@@ -563,7 +563,7 @@ class DifferentialPrivacyMixin(TrainStepMixin):
         included = ops.ones_like(norms) if mask is None else mask
         included = ops.cast(included, "float32")
         # The global batch's share: both counts summed over replicas.
-        clipped, total = pipeline.all_reduce_sum(
+        clipped, total = backend.current().all_reduce_sum(
             [
                 ops.sum(ops.cast(changed, "float32") * included),
                 ops.sum(included),

@@ -11,7 +11,6 @@ from custom_fit import _model_state
 from custom_fit import _options
 from custom_fit import _validation
 from custom_fit import backend
-from custom_fit import pipeline
 from custom_fit import regularization
 from custom_fit._types import Scalar
 from custom_fit._types import Tensor
@@ -183,7 +182,7 @@ class RegularizationMixin(TrainStepMixin):
         state = _model_state.state_of(self)
         # `minimize` in the same step must not add the penalties again.
         state.local.penalized_at = state.generation
-        replicas = pipeline.replica_count()
+        replicas = backend.current().replica_count()
         batch_size = _keras_compat.batch_size(x, total.dtype)
         unscaled_total = total * replicas if replicas > 1 else total
         model_losses = [
@@ -284,7 +283,7 @@ class RegularizationMixin(TrainStepMixin):
             terms["input_gradient_penalty"] = self.option_in_step(
                 "input_gradient_penalty"
             ) * self._output_gradient_term(penalty_inputs)
-        replicas = pipeline.replica_count()
+        replicas = backend.current().replica_count()
         for name, value in terms.items():
             self._report(name, value)
             value = ops.cast(value, loss.dtype)
@@ -435,7 +434,7 @@ class RegularizationMixin(TrainStepMixin):
             return (
                 loss
                 * _keras_compat.batch_size(x, loss.dtype)
-                * pipeline.replica_count()
+                * backend.current().replica_count()
             )
 
         gradients = backend.current().input_gradients(summed_loss, inputs)

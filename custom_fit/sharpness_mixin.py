@@ -103,7 +103,7 @@ class SharpnessAwareMixin(TrainStepMixin):
             return loss, aux, gradients
         targets = [variables[i] for i in weighted]
         weights = [backend.current().copy(v) for v in targets]
-        pipeline.assign_variables(
+        backend.current().assign_variables(
             targets,
             sharpness.perturbed_weights(
                 weights,
@@ -122,7 +122,7 @@ class SharpnessAwareMixin(TrainStepMixin):
             perturbed_loss_function, targets, optimizer=optimizer
         )
         # The gradient was taken at `w + e`; the update acts on `w`.
-        pipeline.assign_variables(targets, weights)
+        backend.current().assign_variables(targets, weights)
         gradients = list(gradients)
         for i, gradient in zip(weighted, perturbed):
             gradients[i] = gradient

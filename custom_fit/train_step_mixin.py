@@ -870,8 +870,8 @@ class TrainStepMixin(
             inspect()
             apply(transformed, verdict.apply)
             return
-        pipeline.run_if(is_update, inspect)
-        pipeline.run_if(
+        backend.current().run_if(is_update, inspect)
+        backend.current().run_if(
             is_update,
             apply,
             args=(transformed, verdict.apply),

@@ -122,6 +122,57 @@ class BackendIndependenceTest(testing.TestCase):
                         found.append(f"{file}:{node.lineno} imports {module}")
         self.assertEqual(found, [])
 
+    def test_stateless_machinery_names_no_backend(self):
+        """`backend/_stateless.py`, the machinery of a stateless step,
+        imports no backend library and reads no attribute of one: a
+        backend hands it its transformations."""
+        path = os.path.join(_PACKAGE, "custom_fit", "backend", "_stateless.py")
+        with open(path, encoding="utf-8") as handle:
+            tree = ast.parse(handle.read())
+        found = []
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            elif isinstance(node, ast.Name):
+                names = [node.id]
+            else:
+                continue
+            found += [
+                f"line {node.lineno}: {name}"
+                for name in names
+                if name.split(".")[0] in _BACKEND_NAMES
+            ]
+        self.assertEqual(found, [])
+
+    def test_the_core_reaches_the_adapter_one_way(self):
+        """The core calls the adapter through `backend.current()`, not
+        through `pipeline`'s public forwarders (kept for hand-written
+        steps)."""
+        forwarders = {
+            "replica_count",
+            "all_reduce_sum",
+            "run_if",
+            "assign_variables",
+        }
+        directory = os.path.join(_PACKAGE, "custom_fit")
+        found = []
+        for file in sorted(os.listdir(directory)):
+            if not file.endswith(".py") or file == "pipeline.py":
+                continue
+            with open(os.path.join(directory, file), encoding="utf-8") as f:
+                tree = ast.parse(f.read())
+            for node in ast.walk(tree):
+                if (
+                    isinstance(node, ast.Attribute)
+                    and node.attr in forwarders
+                    and isinstance(node.value, ast.Name)
+                    and node.value.id == "pipeline"
+                ):
+                    found.append(f"{file}:{node.lineno} pipeline.{node.attr}")
+        self.assertEqual(found, [])
+
 
 def _backend_names(root, path):
     """Imports of backend libraries and comparisons with backend names."""

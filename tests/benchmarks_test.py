@@ -1,8 +1,10 @@
 """Smoke test: the benchmark entry point runs (no timing is asserted)."""
 
+import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -54,6 +56,46 @@ class BenchmarkSmokeTest(testing.TestCase):
             self.assertEqual(len(rows[1]), 7)  # no memory column
         # The summary puts the stacked configuration next to its target.
         self.assertRegex(summary, r"\| stacked \| [0-9.]+ \((ok|over) 1.15\)")
+
+    def test_gpu_step_prints_a_table(self):
+        """The GPU benchmark's code, on a GPT-2 small enough for a CPU
+        (`--size=tiny`), on this backend (JAX and PyTorch: the backends it
+        measures): one row per configuration, plain Keras against itself
+        1.000, a written JSON file with the same figures."""
+        if testing.BACKEND == "tensorflow":
+            self.skipTest("the GPU benchmark measures JAX and PyTorch")
+        testing.import_keras_hub()
+        output = os.path.join(tempfile.mkdtemp(), "gpu.json")
+        result = subprocess.run(
+            [
+                sys.executable,
+                os.path.join(_ROOT, "benchmarks", "gpu_step.py"),
+                f"--backends={testing.BACKEND}",
+                "--size=tiny",
+                "--configurations=keras,guarded_stack",
+                "--steps=3",
+                "--rounds=1",
+                "--warmup=1",
+                f"--output={output}",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
+        )
+        self.assertEqual(result.returncode, 0, result.stderr[-3000:])
+        rows = [
+            [cell.strip() for cell in line.strip("|").split("|")]
+            for line in result.stdout.splitlines()
+            if line.startswith("| ") and "configuration" not in line
+        ]
+        self.assertEqual([row[0] for row in rows], ["keras", "guarded_stack"])
+        self.assertEqual(rows[0][2], "1.000")
+        with open(output) as file:
+            (written,) = json.load(file)
+        self.assertEqual(written["backend"], testing.BACKEND)
+        self.assertEqual(written["failed"], {})
+        self.assertEqual(set(written["ratio"]), {"keras", "guarded_stack"})
 
     @pytest.mark.jax
     def test_model_parallel_memory_prints_a_table(self):

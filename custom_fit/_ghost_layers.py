@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import keras
+import numpy as np
 from keras import ops
 
 from custom_fit import _keras_compat
@@ -153,8 +154,9 @@ def whole_problem(layer: Any) -> str:
 
     Its per-example gradients are computed by running its call again on
     each example's inputs: its weights must be its own (no layer with
-    weights inside it), its call must repeat (no random draws) and update
-    nothing.
+    trainable weights inside it), its call must repeat (no random draws
+    from a seed generator, its own or a sublayer's), update nothing, and
+    make no mask the loss could read.
 
     Args:
         layer: The innermost layer holding a variable to clip, or `None`
@@ -162,22 +164,34 @@ def whole_problem(layer: Any) -> str:
     """
     if layer is None:
         return "it is a weight of the model itself, outside any layer"
-    inner = [s for s in _keras_compat.all_layers(layer) if s.variables]
-    if inner:
+    inner = _keras_compat.all_layers(layer)
+    weighted = [s for s in inner if s.trainable_variables]
+    if weighted:
         return (
-            f"it holds layers with weights ({_named(inner[0])}), whose calls "
-            "inside it are not recorded one by one"
+            f"it holds layers with trainable weights ({_named(weighted[0])}),"
+            " whose calls inside it are not recorded one by one"
         )
-    attributes = vars(layer).values()
-    if any(isinstance(v, keras.random.SeedGenerator) for v in attributes):
-        return (
-            "it draws random numbers in its call, which a second run for "
-            "each example would not repeat"
-        )
+    for owner in [layer, *inner]:
+        if any(
+            isinstance(v, keras.random.SeedGenerator)
+            for v in vars(owner).values()
+        ):
+            return (
+                "it draws random numbers in its call, which a second run "
+                "for each example would not repeat"
+            )
     if layer.non_trainable_variables:
         return (
-            "it has non-trainable weights, which its call may update "
-            "(a second run for each example would update them again)"
+            "it has non-trainable weights, which a second run of its call "
+            "for each example could update again"
+        )
+    if getattr(layer, "mask_zero", False):
+        return "it makes a mask (mask_zero=True), which the loss would read"
+    overrides = type(layer).compute_mask is not keras.layers.Layer.compute_mask
+    if overrides and not isinstance(layer, keras.layers.Embedding):
+        return (
+            "it computes a mask of its own (compute_mask), which the loss "
+            "could read"
         )
     return ""
 
@@ -246,8 +260,9 @@ def _other_problem(layer: Any, owners: dict[int, Any], trust_code: bool) -> str:
         ):
             return ""
         return (
-            f"the layer {_named(layer)} calls supported layers from code "
-            "Keras did not write, which could read their weights elsewhere "
+            f"the layer {_named(layer)} calls layers whose weights are "
+            "clipped from code Keras did not write, which could read their "
+            "weights elsewhere "
             "or call them on other than whole batches (pass "
             "clipping_method='ghost' if it does neither)"
         )
@@ -280,13 +295,26 @@ def _holders(layers: list[Any]) -> dict[int, list[Any]]:
 
 
 def _innermost_holder(layers: list[Any], variable: Any) -> Any:
-    """Returns the innermost layer holding `variable`; `None` if none."""
+    """Returns the innermost layer holding `variable`; `None` if none.
+
+    Of the holders with the fewest variables, the one inside the others
+    (a wrapper holding only that layer has as many).
+    """
     holding = [
         layer for layer in layers if any(v is variable for v in layer.variables)
     ]
     if not holding:
         return None
-    return min(holding, key=lambda layer: len(layer.variables))
+    fewest = min(len(layer.variables) for layer in holding)
+    candidates = [h for h in holding if len(h.variables) == fewest]
+    for candidate in candidates:
+        inside = _keras_compat.all_layers(candidate)
+        if not any(
+            other is not candidate and any(s is other for s in inside)
+            for other in candidates
+        ):
+            return candidate
+    return candidates[0]
 
 
 def _named(layer: Any) -> str:
@@ -415,6 +443,12 @@ def _wrap(layer: Any) -> None:
         object.__setattr__(layer, "_custom_fit_activation", activation)
 
 
+# The keyword arguments of a call recorded whole that are sliced per
+# example beside its inputs: the mask Keras passes along.
+_PER_EXAMPLE_KEYWORDS = ("mask",)
+_PLAIN = (bool, int, float, str, np.ndarray)
+
+
 def _whole_call(layer: Any, original: Callable[..., Any]) -> Any:
     """The recording `call` of a layer recorded whole."""
 
@@ -423,17 +457,65 @@ def _whole_call(layer: Any, original: Callable[..., Any]) -> Any:
         if active is None or id(layer) not in active.layers:
             return original(*args, **kwargs)
         outputs = original(*args, **kwargs)
-        if not ops.is_tensor(outputs):
-            active.problems.append(
-                f"the layer {_named(layer)} returned a "
-                f"{type(outputs).__name__}, not one tensor, so its "
-                "per-example gradients are not computed alone"
-            )
+        problem = _replay_problem(layer, args, kwargs, outputs)
+        if problem:
+            active.problems.append(problem)
             return outputs
         active.calls.append((layer, Replay(tuple(args), dict(kwargs))))
         return active.watch(outputs)
 
     return call
+
+
+def _replay_problem(layer: Any, args: tuple, kwargs: dict, outputs: Any) -> str:
+    """Says why a call cannot be run again per example; `""` if it can.
+
+    Its inputs (the first argument) and Keras' `mask` are sliced per
+    example; any other tensor could be a constant that is not (a table of
+    as many rows as the batch has examples), and an object holding a
+    tensor would not be sliced at all: refused, as is an output that is
+    not one tensor.
+    """
+    if not ops.is_tensor(outputs):
+        return (
+            f"the layer {_named(layer)} returned a {type(outputs).__name__}, "
+            "not one tensor, so its per-example gradients are not computed "
+            "alone"
+        )
+    extra = [f"argument {i}" for i, a in enumerate(args[1:], 1) if _held(a)]
+    extra += [
+        f"{name}="
+        for name, value in kwargs.items()
+        if name not in _PER_EXAMPLE_KEYWORDS and _held(value)
+    ]
+    if extra:
+        return (
+            f"the layer {_named(layer)} was called with tensors beside its "
+            f"inputs ({', '.join(extra)}), which may not be per-example, so "
+            "its per-example gradients are not computed alone"
+        )
+    leaves = keras.tree.flatten((args, kwargs))
+    odd = [
+        type(leaf).__name__
+        for leaf in leaves
+        if leaf is not None
+        and not ops.is_tensor(leaf)
+        and not isinstance(leaf, _PLAIN)
+    ]
+    if odd:
+        return (
+            f"the layer {_named(layer)} was called with an argument of type "
+            f"{odd[0]}, which a second run for each example could not slice"
+        )
+    return ""
+
+
+def _held(value: Any) -> bool:
+    """Whether `value` is, or holds, a tensor or a variable."""
+    return any(
+        ops.is_tensor(leaf) or isinstance(leaf, keras.Variable)
+        for leaf in keras.tree.flatten(value)
+    )
 
 
 def _unwrap(layer: Any) -> None:

@@ -547,6 +547,17 @@ class NoisyScale(Scale):
         return super().call(inputs) + 0.01 * noise
 
 
+class DroppedScale(Scale):
+    """A weight of its own, and a Dropout (weightless) in its call."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.drop = L.Dropout(0.5)
+
+    def call(self, inputs, training=None):
+        return self.drop(super().call(inputs), training=training)
+
+
 class Counted(Scale):
     """A weight of its own, and a non-trainable one its call updates."""
 
@@ -573,6 +584,50 @@ class ScaledBlock(L.Layer):
 
     def call(self, inputs):
         return self.inner(inputs) * self.scale
+
+
+class TableScale(Scale):
+    """A weight of its own, called with a constant table beside its
+    inputs (as many rows as a batch has examples)."""
+
+    def call(self, inputs, table=None):
+        return super().call(inputs) * ops.mean(table, axis=0)
+
+
+class PairScale(Scale):
+    """A weight of its own; returns a pair."""
+
+    def call(self, inputs):
+        return super().call(inputs), inputs
+
+
+class Box:
+    """A plain object holding a tensor."""
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+
+class Boxing(L.Layer):
+    """Calls a `BoxedScale` with its inputs inside a plain object."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.scale = BoxedScale(name="boxed")
+
+    def call(self, inputs):
+        return self.scale(inputs, box=Box(inputs))
+
+
+class BoxedScale(Scale):
+    """A weight of its own, and a tensor read from a plain object."""
+
+    def call(self, inputs, box=None):
+        return super().call(inputs) * ops.tanh(box.tensor)
+
+
+class MaskingEmbedding(L.Embedding):
+    """An Embedding subclass (no ghost norm of its class) with a mask."""
 
 
 class TransposedKernel(L.Layer):
@@ -666,16 +721,82 @@ class ClippingMethodTest(testing.TestCase):
             ).history
             weights.append(model.get_weights())
             shares.append(history["dp_clipped_fraction"][-1])
+            if method == "auto":  # the pass did not fall back
+                self.assertEqual(model.per_example_clipping, "ghost")
         self.assertBetween(shares[1], 0.1, 0.9)
         self.assertAllClose(shares[0], shares[1], atol=1e-6)
         self.assertAllClose(weights[0], weights[1], atol=1e-6)
+
+    def test_a_wrapper_holding_only_the_layer_is_not_its_owner(self):
+        """A Sequential wrapping a LayerNormalization holds as many weights
+        as it: the normalization is differentiated alone, and named."""
+        block = keras.Sequential(
+            [L.LayerNormalization(name="norm")], name="block"
+        )
+        model = with_layer(
+            block, PrivateNet, l2_norm_clip=1.0, noise_multiplier=1.0
+        )
+        self.assertEqual(model.per_example_clipping, "ghost")
+        self.assertIn(
+            "alone: 'norm' (LayerNormalization)",
+            model.per_example_clipping_reason,
+        )
+
+    @parameterized.named_parameters(
+        (
+            "constant_table",
+            lambda h: TableScale(name="table")(
+                h, table=ops.ones((BATCH, 3)) * 2.0
+            ),
+            "(table=)",
+        ),
+        ("pair", lambda h: PairScale(name="pair")(h)[0], "returned a tuple"),
+    )
+    def test_a_call_not_repeatable_per_example_falls_back(self, call, why):
+        """A call of a layer recorded whole that cannot be run again per
+        example (a tensor beside its inputs, which may be a constant; an
+        output that is not one tensor) sends `auto` to the vectorized path
+        at the first step, saying why, and trains as it."""
+        x, y = testing.classification_data(samples=4 * BATCH, features=4)
+        weights = []
+        for method in ("auto", "vectorized"):
+            inputs = keras.Input((4,))
+            hidden = call(L.Dense(3, activation="relu")(inputs))
+            model = randomized(
+                PrivateNet(
+                    inputs,
+                    L.Dense(3)(hidden),
+                    l2_norm_clip=1.0,
+                    noise_multiplier=0.0,
+                    clipping_method=method,
+                )
+            )
+            model.compile(
+                optimizer=keras.optimizers.SGD(RATE),
+                loss=testing.sparse_crossentropy(),
+            )
+            model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+            self.assertEqual(model.per_example_clipping, "vectorized")
+            weights.append(model.get_weights())
+            if method == "auto":
+                self.assertIn(why, model.per_example_clipping_reason)
+        self.assertAllClose(weights[0], weights[1], atol=1e-6)
+
+    def test_an_object_holding_a_tensor_is_refused(self):
+        """A layer recorded whole given a tensor inside a plain object
+        (which a run per example would not slice) is refused at the first
+        step with `clipping_method="ghost"`, naming the type."""
+        model = compiled_with_layer(Boxing(), "ghost")
+        x, y = testing.classification_data(samples=BATCH, features=4)
+        with self.assertRaisesRegex(ValueError, "argument of type Box"):
+            model.fit(x, y, batch_size=BATCH, verbose=0)
 
     @parameterized.named_parameters(
         (
             "own_weight_and_inner_layer",
             lambda: ScaledBlock(name="block"),
             "'block' (ScaledBlock)",
-            "holds layers with weights",
+            "holds layers with trainable weights",
         ),
         (
             "random_draws",
@@ -688,6 +809,12 @@ class ClippingMethodTest(testing.TestCase):
             lambda: Counted(name="counted"),
             "'counted' (Counted)",
             "non-trainable weights",
+        ),
+        (
+            "dropout_inside",
+            lambda: DroppedScale(name="dropped"),
+            "'dropped' (DroppedScale)",
+            "draws random numbers",
         ),
     )
     def test_a_layer_not_differentiable_alone_falls_back(
@@ -702,6 +829,21 @@ class ClippingMethodTest(testing.TestCase):
         self.assertEqual(model.per_example_clipping, "vectorized")
         self.assertIn(named, model.per_example_clipping_reason)
         self.assertIn(why, model.per_example_clipping_reason)
+
+    def test_an_embedding_subclass_with_a_mask_falls_back(self):
+        """An Embedding subclass (no ghost norm of its class) that makes a
+        mask the loss reads (`mask_zero=True`) takes the vectorized path,
+        as a plain masking Embedding does."""
+        inputs = keras.Input((6,), dtype="int32")
+        tokens = MaskingEmbedding(20, 4, mask_zero=True, name="masking")(inputs)
+        outputs = L.Dense(3)(L.Dense(4, activation="tanh")(tokens))
+        model = PrivateNet(
+            inputs, outputs, l2_norm_clip=1.0, noise_multiplier=1.0
+        )
+        self.assertEqual(model.per_example_clipping, "vectorized")
+        reason = model.per_example_clipping_reason
+        self.assertIn("'masking' (MaskingEmbedding)", reason)
+        self.assertIn("mask_zero=True", reason)
 
     def test_a_weight_shared_across_layers_falls_back(self):
         """A Dense's kernel also held and read by another layer (tied):

@@ -109,7 +109,7 @@ class PerExample:
     whose gradient is no product of their inputs and output gradients,
     computed for their layer alone from what it saw and what came back
     to it (`custom_fit.per_example`): memory for one copy of those weights
-    per example, not of the whole model.
+    per example and call of the layer, not of the whole model.
 
     Attributes:
         gradients: Tensor of shape `(examples, *weight.shape)`.

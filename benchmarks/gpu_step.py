@@ -39,6 +39,7 @@ CONFIGURATIONS = (
     "clipping",
     "clipping_inspection",
     "guarded_stack",
+    "private_ghost",
     "private",
 )
 SIZES = {
@@ -76,12 +77,25 @@ def _options(name):
             },
             {},
         ),
-        # The default clipping method: GPT-2's LayerNormalization and
-        # tied embedding have no ghost norm, so it takes per-example
-        # gradients.
+        # The default clipping method: keras-hub's decoder blocks call
+        # their layers from code Keras did not write, so `auto` takes the
+        # whole model's per-example gradients.
         "private": (
             ("DifferentialPrivacyMixin",),
             {"l2_norm_clip": 1.0, "noise_multiplier": 1.1, "noise_seed": 0},
+            {},
+        ),
+        # Ghost clipping, trusting that code: ghost norms for the Dense and
+        # attention layers, per-example gradients of the layer norms and
+        # the embeddings alone.
+        "private_ghost": (
+            ("DifferentialPrivacyMixin",),
+            {
+                "l2_norm_clip": 1.0,
+                "noise_multiplier": 1.1,
+                "noise_seed": 0,
+                "clipping_method": "ghost",
+            },
             {},
         ),
     }[name]

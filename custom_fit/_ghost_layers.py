@@ -118,7 +118,7 @@ def blocker(model: Any, variables: Sequence[Any], trust_code: bool) -> str:
     for variable in variables:
         owner = owners.get(id(variable))
         if owner is None:
-            holder = _innermost_holder(layers, variable)
+            holder = _innermost_holder(holders.get(id(variable), []))
             reason = whole_problem(holder)
             if reason:
                 named = "the model" if holder is None else _named(holder)
@@ -294,15 +294,15 @@ def _holders(layers: list[Any]) -> dict[int, list[Any]]:
     return holders
 
 
-def _innermost_holder(layers: list[Any], variable: Any) -> Any:
-    """Returns the innermost layer holding `variable`; `None` if none.
+def _innermost_holder(holding: list[Any]) -> Any:
+    """Returns the innermost of the layers holding a variable; `None` if none.
 
     Of the holders with the fewest variables, the one inside the others
     (a wrapper holding only that layer has as many).
+
+    Args:
+        holding: The layers holding the variable (`_holders`).
     """
-    holding = [
-        layer for layer in layers if any(v is variable for v in layer.variables)
-    ]
     if not holding:
         return None
     fewest = min(len(layer.variables) for layer in holding)
@@ -328,11 +328,12 @@ def layers_to_record(model: Any, variables: Sequence[Any]) -> list[Any]:
     """
     layers = _keras_compat.all_layers(model)
     owners = _owners(layers)
+    holders = _holders(layers)
     found = {}
     for variable in variables:
         layer = owners.get(id(variable))
         if layer is None:
-            layer = _innermost_holder(layers, variable)
+            layer = _innermost_holder(holders.get(id(variable), []))
         if layer is not None:
             found[id(layer)] = layer
     return list(found.values())

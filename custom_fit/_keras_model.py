@@ -195,6 +195,8 @@ class KerasModel(_ModelBase):
             return {}
         keras_metrics = self._keras_metrics()
         registries = self._registries()
+        for registry in registries:
+            registry.flush()  # the step's collected reports
         # Over several processes (PyTorch), the logs of the global batch.
         return backend.current().summed_results(
             keras_metrics + _step_metrics.reported(registries),

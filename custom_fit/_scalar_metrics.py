@@ -1,15 +1,25 @@
-"""Keras metrics for the scalars that `report_metric` receives.
+"""Keras metrics for the scalars that `report_metric` receives, packed.
 
 `keras.metrics.Mean` and `Sum` accept tensors of any rank, masks and
-broadcastable weights, and update Keras variables, whose `assign_add` is a
-read, an add and an assign: about ten ops per update in the traced step.
-`report_metric` only ever passes a float32 scalar and a scalar weight, so
-these keep their state in custom_fit's state variables (on TensorFlow,
-plain `tf.Variable`s made like Keras' metric variables: `ON_READ`, summed
-across replicas) and update in at most three ops (a multiply and two
-`AssignAddVariableOp`s). Each metric costs about
-40 microseconds of CPU per step on the examples' MLP, so this matters where
-steps are short (see BUILD_NOTES.md, "Measured figures").
+broadcastable weights, and each keeps variables of its own. `report_metric`
+only ever passes a float32 scalar and a scalar weight, so these metrics
+keep their state in *packs*: one float32 vector variable (custom_fit state;
+on TensorFlow a plain `ON_READ` `tf.Variable` made as Keras makes metric
+state) holds the entries of several metrics, and the reports of a step
+reach it in one update (see `custom_fit._step_metrics`). A pure (JAX) step
+then carries one array for a model's figures instead of one or two per
+metric; an eager (PyTorch) step makes one in-place add.
+
+Each metric is still a `keras.metrics.Metric` of its own name, in
+`model.metrics` as before; its `result()` reads its entries of the pack and
+its `reset_state()` zeroes them. The first metric of a pack holds the
+pack's variable as its own (so that `model.metrics_variables`, which Keras
+carries through a pure step and sums across processes, lists it once); the
+others hold none.
+
+Two packs never mix: entries that are summed across replicas (a mean's
+total and count, a sum) and entries that are not (a last value, the same
+on every replica).
 """
 
 from typing import Any
@@ -23,123 +33,205 @@ from custom_fit._types import Scalar
 from custom_fit._types import Tensor
 
 
-def _metric_variable(name: str, shape: tuple[int, ...] = ()) -> Any:
-    """Returns a float32 accumulator, summed across replicas."""
-    return _state.state_variable(shape, "float32", name, summed=True)
+class Pack:
+    """One float32 vector variable holding the entries of several metrics.
+
+    Args:
+        size: Integer, the number of entries.
+        summed: Bool. Whether the entries are summed across replicas.
+        name: String, the variable's name.
+    """
+
+    def __init__(self, size: int, summed: bool, name: str) -> None:
+        self.size = size
+        self.summed = summed
+        self.variable = _state.state_variable((size,), "float32", name, summed)
+
+    def read(self) -> Tensor:
+        """Returns the pack's current value (its value in the step)."""
+        return backend.current().read(self.variable)
 
 
-class ScalarMean(keras.metrics.Metric):
-    """Weighted running mean of scalar values.
+class _Place:
+    """Where a metric's entries are: a pack and an offset.
 
-    The total and the weight are one vector variable `(total, count)`:
-    one update and, in a pure (JAX) step, one state array per metric.
+    A plain object, so that Keras does not track the pack's variable as
+    the metric's own.
+    """
+
+    def __init__(self, pack: Pack, offset: int) -> None:
+        self.pack = pack
+        self.offset = offset
+
+
+class PackedMetric(keras.metrics.Metric):
+    """A scalar metric whose state is entries of a `Pack`.
+
+    Subclasses say how many entries they take (`width`), whether they are
+    summed across replicas (`summed`), what a report adds (`delta`) and
+    what the result is (`result_of`).
 
     Args:
         name: String. The metric's name (its log key).
     """
 
+    width = 1
+    summed = True
+
     def __init__(self, name: str) -> None:
         super().__init__(name=name, dtype="float32")
-        self.totals = _metric_variable("totals", (2,))
+        self.place: _Place | None = None
 
-    def update_state(self, value: Tensor, sample_weight: Scalar = None) -> None:
-        """Adds `value` with weight `sample_weight` (1 when `None`).
+    def bind(self, pack: Pack, offset: int) -> None:
+        """Places the metric's entries at `offset` of `pack`.
 
-        Args:
-            value: Float32 scalar tensor.
-            sample_weight: Optional scalar weight.
+        The first metric of a pack holds its variable as a Keras-tracked
+        variable of its own.
         """
-        if sample_weight is None:
-            backend.current().add_to(self.totals, [value, 1.0])
-            return
-        weight = ops.cast(sample_weight, "float32")
-        backend.current().add_to(self.totals, [value * weight, weight])
+        self.place = _Place(pack, offset)
+        if offset == 0:
+            self.pack_variable = pack.variable
+
+    def entries(self, value: Tensor) -> list[Tensor]:
+        """Returns the metric's entries of a pack value."""
+        assert self.place is not None
+        start = self.place.offset
+        return [value[start + i] for i in range(self.width)]
+
+    def delta(self, value: Tensor, weight: Tensor | None) -> list[Tensor]:
+        """Returns what a report adds to the entries (additive metrics)."""
+        raise NotImplementedError
+
+    def result_of(self, entries: list[Tensor]) -> Tensor:
+        """Returns the result from the metric's entries."""
+        raise NotImplementedError
 
     def state_variables(self) -> list[Any]:
         """Returns the variables that hold the metric's state."""
-        return [self.totals]
-
-    def result(self) -> Tensor:
-        """Returns the weighted mean since the last reset (0 if empty)."""
-        totals = backend.current().read(self.totals)
-        return ops.divide_no_nan(totals[0], totals[1])
-
-    def reset_state(self) -> None:
-        """Sets the total and the count to 0."""
-        self.totals.assign(ops.zeros((2,), "float32"))
-
-
-class ScalarLast(keras.metrics.Metric):
-    """The last scalar value reported: a step's own figure.
-
-    At the end of an epoch it is the value of the epoch's last step; a
-    batch-level callback reads each step's value.
-
-    Args:
-        name: String. The metric's name (its log key).
-    """
-
-    def __init__(self, name: str) -> None:
-        super().__init__(name=name, dtype="float32")
-        # The same on every replica (computed from true gradients): a read
-        # takes the first replica's.
-        self.value = _state.state_variable((), "float32", "value")
+        return [] if self.place is None else [self.place.pack.variable]
 
     def update_state(self, value: Tensor, sample_weight: Scalar = None) -> None:
-        """Keeps `value`; a zero `sample_weight` keeps the previous one.
-
-        Args:
-            value: Float32 scalar tensor.
-            sample_weight: Optional scalar weight (0 to ignore the value).
-        """
-        if sample_weight is not None:
-            keep = ops.cast(sample_weight, "float32") > 0
-            value = ops.where(keep, value, backend.current().read(self.value))
-        self.value.assign(value)
-
-    def state_variables(self) -> list[Any]:
-        """Returns the variable that holds the metric's state."""
-        return [self.value]
-
-    def result(self) -> Tensor:
-        """Returns the last value (0 before any)."""
-        return backend.current().read(self.value)
-
-    def reset_state(self) -> None:
-        """Sets the value to 0."""
-        self.value.assign(ops.zeros((), "float32"))
-
-
-class ScalarSum(keras.metrics.Metric):
-    """Running (weighted) sum of scalar values.
-
-    Args:
-        name: String. The metric's name (its log key).
-    """
-
-    def __init__(self, name: str) -> None:
-        super().__init__(name=name, dtype="float32")
-        self.total = _metric_variable("total")
-
-    def update_state(self, value: Tensor, sample_weight: Scalar = None) -> None:
-        """Adds `value`, times `sample_weight` when given.
+        """Updates the metric with one report (outside the registry's flush).
 
         Args:
             value: Float32 scalar tensor.
             sample_weight: Optional scalar weight.
         """
-        if sample_weight is not None:
-            value = value * ops.cast(sample_weight, "float32")
-        backend.current().add_to(self.total, [value])
-
-    def state_variables(self) -> list[Any]:
-        """Returns the variable that holds the metric's state."""
-        return [self.total]
+        if self.place is None:
+            raise ValueError(
+                f"The metric {self.name!r} has no storage yet: it is made "
+                "and updated by `report_metric`. Received: an update before "
+                "its first report."
+            )
+        weight = (
+            None
+            if sample_weight is None
+            else ops.cast(sample_weight, "float32")
+        )
+        write([(self, value, weight)])
 
     def result(self) -> Tensor:
-        """Returns the sum since the last reset."""
-        return backend.current().read(self.total)
+        """Returns the metric's result (0 before its first report)."""
+        if self.place is None:
+            return ops.zeros((), "float32")
+        return self.result_of(self.entries(self.place.pack.read()))
 
     def reset_state(self) -> None:
-        """Sets the total to 0."""
-        self.total.assign(ops.zeros((), "float32"))
+        """Sets the metric's entries to 0."""
+        if self.place is None:
+            return
+        pack, start = self.place.pack, self.place.offset
+        index = ops.arange(pack.size)
+        mine = ops.logical_and(index >= start, index < start + self.width)
+        current = pack.read()
+        pack.variable.assign(ops.where(mine, ops.zeros_like(current), current))
+
+
+class ScalarMean(PackedMetric):
+    """Weighted running mean of scalar values: entries `(total, count)`."""
+
+    width = 2
+
+    def delta(self, value: Tensor, weight: Tensor | None) -> list[Tensor]:
+        if weight is None:
+            return [value, ops.ones((), "float32")]
+        return [value * weight, weight]
+
+    def result_of(self, entries: list[Tensor]) -> Tensor:
+        return ops.divide_no_nan(entries[0], entries[1])
+
+
+class ScalarSum(PackedMetric):
+    """Running (weighted) sum of scalar values: one entry."""
+
+    def delta(self, value: Tensor, weight: Tensor | None) -> list[Tensor]:
+        return [value if weight is None else value * weight]
+
+    def result_of(self, entries: list[Tensor]) -> Tensor:
+        return entries[0]
+
+
+class ScalarLast(PackedMetric):
+    """The last scalar value reported: a step's own figure.
+
+    At the end of an epoch it is the value of the epoch's last step; a
+    batch-level callback reads each step's value. A report with weight 0
+    keeps the previous value. The same on every replica (computed from
+    true gradients): not summed, a read takes the first replica's.
+    """
+
+    summed = False
+
+    def result_of(self, entries: list[Tensor]) -> Tensor:
+        return entries[0]
+
+
+Report = tuple[PackedMetric, Tensor, "Tensor | None"]
+
+
+def write(reports: list[Report]) -> None:
+    """Applies `reports` to their packs: one update per pack.
+
+    The metrics must be placed (`PackedMetric.bind`). Additive entries
+    (means, sums) take one `add_to` of the pack, with 0 where no report
+    falls; last values take one assignment, each the latest report whose
+    weight is not 0, else the value the entry had.
+
+    Args:
+        reports: `(metric, value, weight)` triples, in the order reported;
+            `value` a float32 scalar, `weight` `None` or a float32 scalar.
+    """
+    by_pack: dict[int, tuple[Pack, list[Report]]] = {}
+    for report in reports:
+        metric = report[0]
+        assert metric.place is not None
+        pack = metric.place.pack
+        by_pack.setdefault(id(pack), (pack, []))[1].append(report)
+    for pack, pack_reports in by_pack.values():
+        if pack.summed:
+            _add(pack, pack_reports)
+        else:
+            _set(pack, pack_reports)
+
+
+def _add(pack: Pack, reports: list[Report]) -> None:
+    """Adds the reports' deltas to a summed pack, in one update."""
+    deltas: list[Any] = [0.0] * pack.size
+    for metric, value, weight in reports:
+        start = metric.place.offset  # type: ignore[union-attr]
+        for i, delta in enumerate(metric.delta(value, weight)):
+            deltas[start + i] = deltas[start + i] + delta
+    backend.current().add_to(pack.variable, deltas)
+
+
+def _set(pack: Pack, reports: list[Report]) -> None:
+    """Sets the reported last values of a pack, in one assignment."""
+    current = pack.read()
+    values: list[Any] = [current[i] for i in range(pack.size)]
+    for metric, value, weight in reports:
+        start = metric.place.offset  # type: ignore[union-attr]
+        if weight is None:
+            values[start] = value
+        else:
+            values[start] = ops.where(weight > 0, value, values[start])
+    pack.variable.assign(ops.stack(values))

@@ -21,6 +21,7 @@ created at the first report of a name, and knows:
 
 import contextlib
 import threading
+from collections.abc import Callable
 from collections.abc import Iterator
 from typing import Any
 
@@ -59,6 +60,7 @@ class StepMetrics:
         self.kinds: dict[str, set[tuple[int, str | None]]] = {}
         self.driver: tuple[Any, str] | None = None
         self.muted = False
+        self.packs: list[_scalar_metrics.Pack] = []
         self._held = threading.local()
 
     @contextlib.contextmanager
@@ -98,6 +100,10 @@ class StepMetrics:
     ) -> None:
         """Updates the metric `name` of `model` with `value`.
 
+        Inside `batched` the update waits for the step's logs (or for the
+        block's end) and is made there with the step's others, one update
+        per pack; elsewhere it is made at once.
+
         Args:
             model: The reporting model.
             name: String, the metric's name before any prefix.
@@ -116,37 +122,137 @@ class StepMetrics:
         if reduction == "sum":
             # A Sum metric adds every replica's update: count on one only.
             value = backend.current().on_first_replica(value)
-        kept = getattr(self._held, "before", None)
-        counted = getattr(self._held, "counted", None)
-        if held and counted is not None:
-            # The verdict is known: the update counts with weight 0 when
-            # the step does not (a mean and a sum add nothing, a last value
-            # keeps the previous one), the value zeroed first, since a
-            # skipped step's value may be NaN. Nothing is read or written
-            # back: the update stays where it is made (in a conditional
-            # branch too).
-            weight = ops.cast(counted, "float32")
-            if sample_weight is not None:
-                weight = weight * ops.cast(sample_weight, "float32")
-            value = ops.where(counted, value, ops.zeros_like(value))
-            metric.update_state(value, sample_weight=weight)
-        else:
-            if held and kept is not None and key not in kept:
-                # First report in a guarded step: keep the metric's state.
-                read = backend.current().read
-                kept[key] = (
-                    metric,
-                    [read(v) for v in metric.state_variables()],
-                )
-            metric.update_state(value, sample_weight=sample_weight)
+        weight = (
+            None
+            if sample_weight is None
+            else ops.cast(sample_weight, "float32")
+        )
         self.kinds.setdefault(key, set()).add(self.step())
+        counted = getattr(self._held, "counted", None)
+        if getattr(self._held, "batched", False):
+            # A held report before the verdict takes it at `release`.
+            verdict = counted if held else None
+            backend.current().collected().append(
+                _Pending(self, metric, held, value, weight, verdict)
+            )
+            return
+        kept = getattr(self._held, "before", None)
+        if held and counted is not None:
+            self._write([_Pending(self, metric, held, value, weight, counted)])
+            return
+        if held and kept is not None and key not in kept:
+            # First report in a guarded step, made at once (inside a
+            # conditional branch): keep the metric's entries.
+            self._place([metric])
+            kept[key] = (metric, metric.place.pack.read())  # type: ignore
+        self._write([_Pending(self, metric, False, value, weight, None)])
+
+    @contextlib.contextmanager
+    def batched(self) -> Iterator[None]:
+        """Collects the block's reports, to write them in one update per pack.
+
+        The step's logs (`flush`, from `get_metrics_result`) or the end of
+        the block write them; a held report waits for the guard's verdict
+        (`release`), so a skipped step needs no copy of the figures.
+        Reports are kept in the backend's `collected` list, which a pure
+        run (JAX's `value_and_grad`) carries out of its transformation;
+        those inside a conditional branch are made in it (`in_branch`).
+        """
+        outer = getattr(self._held, "batched", False)
+        self._held.batched = True
+        try:
+            yield
+            self.flush()
+        finally:
+            self._held.batched = outer
+            if not outer:
+                items = backend.current().collected()
+                items[:] = [i for i in items if i.registry is not self]
+
+    @contextlib.contextmanager
+    def at_once(self) -> Iterator[None]:
+        """Makes the block's reports at once (a conditional branch's)."""
+        outer = getattr(self._held, "batched", False)
+        self._held.batched = False
+        try:
+            yield
+        finally:
+            self._held.batched = outer
+
+    def in_branch(self, function: Callable[..., Any]) -> Callable[..., Any]:
+        """Returns `function` with its reports made at once (`at_once`).
+
+        For the body of a conditional branch (`run_if`): a report collected
+        there could not leave the branch.
+        """
+
+        def run(*args: Any) -> Any:
+            with self.at_once():
+                return function(*args)
+
+        return run
+
+    def flush(self) -> None:
+        """Writes the collected reports whose verdict is known."""
+        items = backend.current().collected()
+        waiting = getattr(self._held, "before", None) is not None
+        ready, rest = [], []
+        for item in items:
+            if item.registry is not self or (
+                waiting and item.held and item.leaves[2] is None
+            ):
+                rest.append(item)
+            else:
+                ready.append(item)
+        if ready:
+            items[:] = rest
+            self._write(ready)
+
+    def _write(self, reports: list["_Pending"]) -> None:
+        """Places new metrics in packs, then applies the reports."""
+        self._place([p.metric for p in reports])
+        triples = []
+        for p in reports:
+            value, weight, verdict = p.leaves
+            if p.held and verdict is not None:
+                # The update counts with weight 0 when the step does not (a
+                # mean and a sum add nothing, a last value keeps the
+                # previous one), the value zeroed first: a skipped step's
+                # value may be NaN.
+                counted = ops.cast(verdict, "float32")
+                weight = counted if weight is None else counted * weight
+                value = ops.where(verdict, value, ops.zeros_like(value))
+            triples.append((p.metric, value, weight))
+        if triples:
+            _scalar_metrics.write(triples)
+
+    def _place(self, metrics: list[Any]) -> None:
+        """Puts the metrics without entries in new packs, one per kind."""
+        new: dict[int, Any] = {}
+        for metric in metrics:
+            if metric.place is None:
+                new.setdefault(id(metric), metric)
+        for summed in (True, False):
+            members = [m for m in new.values() if m.summed == summed]
+            if not members:
+                continue
+            size = sum(m.width for m in members)
+            name = "reported_sums" if summed else "reported_last"
+            with backend.current().creation_scope():
+                pack = _scalar_metrics.Pack(size, summed, name)
+            offset = 0
+            for metric in members:
+                metric.bind(pack, offset)
+                offset += metric.width
+            self.packs.append(pack)
 
     def hold(self) -> None:
-        """Starts keeping, in this thread, the state of reported metrics.
+        """Starts holding, in this thread, the reports of a guarded step.
 
-        Until `release`, the first report of each metric keeps its state
-        as it was before the step (a read placed before the update, so it
-        holds at every execution of a traced step).
+        Until `release`, a report collected by `batched` waits for the
+        verdict; one made at once keeps its metric's entries as they were
+        before the step (a read placed before the update, so it holds at
+        every execution of a traced step).
         """
         self._held.before = {}
         self._held.counted = None
@@ -154,11 +260,10 @@ class StepMetrics:
     def settle(self, counted: Any) -> None:
         """Gives the held step its verdict, before the step's later reports.
 
-        Reports made from now until `release` are undone where they are
-        made when the step does not count, instead of being kept for
-        `release`: a report inside a conditional branch (inspection on the
-        update steps of gradient accumulation) could not hand its kept
-        state out of the branch.
+        Reports made from now until `release` count with weight 0 when the
+        step does not, where they are made (a report inside a conditional
+        branch, inspection on the update steps of gradient accumulation,
+        could not hand a kept state out of the branch).
 
         Args:
             counted: Boolean scalar tensor, or `None` (nothing is held).
@@ -167,7 +272,10 @@ class StepMetrics:
             self._held.counted = counted
 
     def release(self, counted: Any) -> None:
-        """Restores the kept metric state unless the step `counted`.
+        """Gives the reports held before `settle` the verdict `counted`.
+
+        Collected reports count only if the step `counted`; entries kept
+        for reports made at once are written back unless it did.
 
         Args:
             counted: Boolean scalar tensor, or `None` (keep the updates).
@@ -175,13 +283,20 @@ class StepMetrics:
         kept = getattr(self._held, "before", None) or {}
         self._held.before = None
         self._held.counted = None
+        for item in backend.current().collected():
+            if item.registry is self and item.held and item.leaves[2] is None:
+                value, weight, _ = item.leaves
+                item.held = counted is not None
+                item.leaves = (value, weight, counted)
         if counted is None:
             return
         skipped = ops.logical_not(counted)
-        for metric, values in kept.values():
-            backend.current().restore_if(
-                skipped, metric.state_variables(), values
-            )
+        for metric, value in kept.values():
+            pack, start = metric.place.pack, metric.place.offset
+            index = ops.arange(pack.size)
+            mine = ops.logical_and(index >= start, index < start + metric.width)
+            restore = ops.logical_and(skipped, mine)
+            pack.variable.assign(ops.where(restore, value, pack.read()))
 
     def _metric(self, key: str, reduction: str) -> keras.metrics.Metric:
         """Returns the metric behind `key`, creating it on first use."""
@@ -200,9 +315,8 @@ class StepMetrics:
                     "override `compute_loss` (Keras tracks what it returns); "
                     "report other figures under other names."
                 )
-            # Lift the variables out of the traced step; they are made once.
-            with backend.current().creation_scope():
-                metric = _METRIC_CLASSES[reduction](name=key)
+            # Its entries are placed in a pack when first written.
+            metric = _METRIC_CLASSES[reduction](name=key)
             self.metrics[key] = metric
             self.reductions[key] = reduction
         elif self.reductions.get(key) != reduction:
@@ -212,6 +326,33 @@ class StepMetrics:
                 "reduction per name."
             )
         return metric
+
+
+class _Pending:
+    """A report waiting to be written (`StepMetrics.batched`).
+
+    Attributes:
+        registry: The `StepMetrics` it belongs to.
+        metric: The metric it updates.
+        held: Bool. Whether the guard's verdict decides whether it counts.
+        leaves: `(value, weight, verdict)`: the float32 value, `None` or a
+            float32 weight, and `None` (not known yet) or a boolean scalar,
+            whether the step counts. The tensors a pure run carries out.
+    """
+
+    def __init__(
+        self,
+        registry: StepMetrics,
+        metric: Any,
+        held: bool,
+        value: Any,
+        weight: Any,
+        verdict: Any,
+    ) -> None:
+        self.registry = registry
+        self.metric = metric
+        self.held = held
+        self.leaves = (value, weight, verdict)
 
 
 def step_only(registries: list[StepMetrics]) -> set[str]:

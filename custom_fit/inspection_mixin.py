@@ -279,13 +279,19 @@ class GradientInspectionMixin(TrainStepMixin):
         iterations = ops.convert_to_tensor(optimizer.iterations)
         return ops.equal(iterations % self.inspect_every, 0)
 
-    @staticmethod
-    def _run_when(selected: bool | Tensor, record: Callable[[], None]) -> None:
-        """Runs `record` now if `selected` is `True`, else when it holds."""
+    def _run_when(
+        self, selected: bool | Tensor, record: Callable[[], None]
+    ) -> None:
+        """Runs `record` now if `selected` is `True`, else when it holds.
+
+        In a conditional branch the reports are made in the branch.
+        """
         if selected is True:
             record()
             return
-        backend.current().run_if(selected, record)
+        backend.current().run_if(
+            selected, _model_state.state_of(self).metrics.in_branch(record)
+        )
 
     def _inspection_state(
         self, owners: Sequence[str], variables: Sequence[Variable]

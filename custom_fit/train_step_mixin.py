@@ -870,10 +870,12 @@ class TrainStepMixin(
             inspect()
             apply(transformed, verdict.apply)
             return
-        backend.current().run_if(is_update, inspect)
+        # Reports in a conditional branch are made in the branch.
+        in_branch = _model_state.state_of(self).metrics.in_branch
+        backend.current().run_if(is_update, in_branch(inspect))
         backend.current().run_if(
             is_update,
-            apply,
+            in_branch(apply),
             args=(transformed, verdict.apply),
             synchronized=True,
         )
@@ -903,6 +905,13 @@ class TrainStepMixin(
         Returns:
             A dict of metric results, as `keras.Model.train_step` returns.
         """
+        # The step's reports reach their packs in one update each, when
+        # its logs are taken (after the guard's verdict).
+        with _model_state.state_of(self).metrics.batched():
+            return self._train_step(data)
+
+    def _train_step(self, data: Any) -> Logs:
+        """`train_step`, its reports collected."""
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         before = _model_state.state_of(self).guard.keep(self._keras_metrics())
 
@@ -965,6 +974,11 @@ class TrainStepMixin(
             A dict of metric results, without the metrics reported only in
             training (such as `skipped_steps`).
         """
+        with _model_state.state_of(self).metrics.batched():
+            return self._test_step(data)
+
+    def _test_step(self, data: Any) -> Logs:
+        """`test_step`, its reports collected."""
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         y_pred = self.forward_pass(x, training=False)
         loss = _keras_compat.compute_loss(

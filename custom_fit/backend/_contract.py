@@ -261,6 +261,19 @@ class Adapter(Protocol):
         """
         ...
 
+    def collected(self) -> list[Any]:
+        """The list where a step keeps values collected for later use.
+
+        Its items are objects with a `leaves` attribute (a tuple of
+        tensors or `None`). On a stateless backend the list is the current
+        pure scope's, and a pure run (a transformation such as
+        `value_and_grad`) carries the items made inside it out to its
+        enclosing scope, their leaves replaced by the values outside; a
+        run whose results are dropped drops them too. Elsewhere, one list
+        per thread.
+        """
+        ...
+
     def creation_scope(self) -> contextlib.AbstractContextManager:
         """A context lifting state made in a traced step out of the trace."""
         ...

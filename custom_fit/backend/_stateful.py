@@ -6,8 +6,11 @@ test functions run custom_fit's step unchanged, and the variables always
 hold the latest values. See `_contract.Adapter` for each name.
 """
 
+import threading
 from collections.abc import Callable
 from typing import Any
+
+_LOCAL = threading.local()
 
 
 def make_step_function(
@@ -29,3 +32,10 @@ def write_latest(model: Any) -> None:
 def after_state_sync(model: Any) -> None:
     """Does nothing: the step is stateful, Keras syncs no state."""
     del model
+
+
+def collected() -> list[Any]:
+    """Returns this thread's list of collected items (the step is one run)."""
+    if not hasattr(_LOCAL, "collected"):
+        _LOCAL.collected = []
+    return _LOCAL.collected

@@ -49,6 +49,8 @@ class Scope(keras.StatelessScope):
         super().__init__(collect_losses=collect_losses)
         self.state_mapping = dict(mapping)
         self.updated: dict[int, Any] = {}
+        # Items collected in the scope (see `collected`).
+        self.collected: list[Any] = []
 
     def add_update(self, update: tuple[Any, Any]) -> None:
         variable, value = update
@@ -78,6 +80,20 @@ def entered(scope: Scope) -> Iterator[Scope]:
         _stack().pop()
 
 
+def collected() -> list[Any]:
+    """Returns the current scope's collected items (else this thread's).
+
+    Items have a `leaves` attribute; `PureRun` carries those made in its
+    run out to the enclosing scope.
+    """
+    scope = current()
+    if scope is not None:
+        return scope.collected
+    if not hasattr(_LOCAL, "collected"):
+        _LOCAL.collected = []
+    return _LOCAL.collected
+
+
 def child(overrides: Iterable[tuple[Any, Any]] = ()) -> Scope:
     """Returns a scope starting from the current one's values."""
     parent = current()
@@ -94,6 +110,10 @@ def write_back(scope: Scope, skip: frozenset[int] = frozenset()) -> None:
     assigned directly.
     """
     parent = current()
+    if parent is not None:
+        parent.collected.extend(scope.collected)
+    else:
+        collected().extend(scope.collected)
     for key, variable in scope.updated.items():
         if key in skip:
             continue
@@ -104,14 +124,20 @@ def write_back(scope: Scope, skip: frozenset[int] = frozenset()) -> None:
             variable.assign(value)
 
 
+# The key of the collected items' leaves among a pure run's updates (the
+# others are ids of variables, never negative).
+_COLLECTED = -1
+
+
 class PureRun:
     """Runs a function of variables' values in a child scope, purely.
 
     Each call maps `variables` to the values given, runs the function in a
     child of the current scope, and returns its result with the values of
     every variable it updated (a transformation must return them: values
-    made inside it cannot leave it otherwise). `finish` then records those
-    updates in the enclosing scope.
+    made inside it cannot leave it otherwise), and the leaves of the items
+    collected in it (under the key `_COLLECTED`). `finish` then records
+    those updates and items in the enclosing scope.
 
     Args:
         variables: The variables whose values each call is given.
@@ -129,7 +155,12 @@ class PureRun:
         with entered(scope):
             result = function(*args)
         self._scopes.append(scope)
-        return result, {key: scope.state_mapping[key] for key in scope.updated}
+        updates: dict[int, Any] = {
+            key: scope.state_mapping[key] for key in scope.updated
+        }
+        if scope.collected:
+            updates[_COLLECTED] = [item.leaves for item in scope.collected]
+        return result, updates
 
     def finish(self, updates: dict[int, Any], skip_variables: bool) -> None:
         """Records the last call's `updates` in the enclosing scope.
@@ -140,6 +171,9 @@ class PureRun:
                 values were the function's arguments).
         """
         scope = self._scopes[-1]
+        updates = dict(updates)
+        for item, leaves in zip(scope.collected, updates.pop(_COLLECTED, [])):
+            item.leaves = tuple(leaves)
         scope.state_mapping.update(updates)
         skip = (
             frozenset(id(v) for v in self.variables)

@@ -24,6 +24,7 @@ from custom_fit.backend._global_data import forward  # noqa: F401
 from custom_fit.backend._global_data import gather_from_processes  # noqa: F401
 from custom_fit.backend._global_data import summed_results  # noqa: F401
 from custom_fit.backend._stateful import after_state_sync  # noqa: F401
+from custom_fit.backend._stateful import collected  # noqa: F401
 from custom_fit.backend._stateful import make_step_function  # noqa: F401
 from custom_fit.backend._stateful import write_latest  # noqa: F401
 

@@ -54,6 +54,7 @@ from custom_fit.backend._dense import recorded_gradients  # noqa: F401
 from custom_fit.backend._dense import reducible_logs  # noqa: F401
 from custom_fit.backend._dense import replica_count  # noqa: F401
 from custom_fit.backend._stateful import after_state_sync  # noqa: F401
+from custom_fit.backend._stateful import collected  # noqa: F401
 from custom_fit.backend._stateful import write_latest  # noqa: F401
 from custom_fit.backend._torch_processes import all_reduce_sum  # noqa: F401
 from custom_fit.backend._torch_processes import batch_gradients  # noqa: F401

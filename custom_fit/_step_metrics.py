@@ -12,10 +12,17 @@ created at the first report of a name, and knows:
   MirroredStrategy's replica threads see it;
 - which kinds of step ("train", "test") of which driver report each name,
   so that a step returns only its own figures;
-- what a guarded step must undo. With `skip_nonfinite`, a step whose
-  gradients are not finite updates no metric: the state of each metric
-  reported during the step is kept at its first report and written back
-  when the step is skipped. What is kept is per thread, since
+- where the metrics' state is: in packs (`_scalar_metrics.Pack`), a
+  vector variable holding the entries of several metrics. Inside
+  `TrainStepMixin`'s own steps (`batched`) a step's reports are collected
+  and written when its logs are taken, one update per pack; elsewhere (a
+  hand-written `train_step`, a conditional branch) each is written at
+  once;
+- what a guarded step must not count. With `skip_nonfinite`, a step whose
+  gradients are not finite updates no metric: a collected report waits
+  for the verdict and counts with weight 0 when the step does not; one
+  written at once before the verdict keeps its metric's entries, written
+  back when the step is skipped. What is held is per thread, since
   MirroredStrategy traces each replica in a thread of its own.
 """
 

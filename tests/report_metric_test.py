@@ -117,6 +117,108 @@ class ReportMetricTest(testing.TestCase):
             model.report_metric("c", 1.0, reduction="sum")
 
 
+class EveryReduction(custom_fit.TrainStepMixin, keras.Model):
+    """Reports one figure of each reduction, inside the differentiated loss
+    and after it (from the gradients)."""
+
+    def compute_loss(
+        self, x=None, y=None, y_pred=None, sample_weight=None, training=True
+    ):
+        loss = super().compute_loss(
+            x, y, y_pred, sample_weight, training=training
+        )
+        size = ops.cast(ops.shape(x)[0], "float32")
+        self.report_metric("mean_0", ops.mean(x[:, 0]), sample_weight=size)
+        self.report_metric("sum_0", ops.sum(x[:, 0]), reduction="sum")
+        self.report_metric("last_1", ops.mean(x[:, 1]), reduction="last")
+        self.report_metric("step_1", ops.max(x[:, 1]), reduction="step")
+        return loss
+
+    def transform_gradients(self, gradients, variables):
+        self.report_metric("batches", 1.0, reduction="sum")
+        return super().transform_gradients(gradients, variables)
+
+
+class PackedFiguresTest(testing.TestCase):
+    @parameterized.named_parameters(*testing.EVERY_STEP_MODES)
+    def test_logs_match_their_definitions_with_a_skipped_step(self, mode):
+        """Figures of every reduction, reported inside and after the
+        differentiated loss, log what their definitions give over the
+        batches that count (NumPy), per batch and per epoch, in the order
+        first reported; a skipped batch (a NaN in a feature no figure
+        reads) changes none of them; their state is two arrays in all."""
+        batch, batches, bad = 8, 4, 2
+        x, y = testing.classification_data(samples=batch * batches)
+        x[bad * batch + 1, 3] = np.nan
+        model = compiled(
+            testing.mlp(EveryReduction, skip_nonfinite=True), **mode
+        )
+        seen = []
+        record = keras.callbacks.LambdaCallback(
+            on_train_batch_end=lambda _, logs: seen.append(dict(logs))
+        )
+        history = model.fit(
+            x,
+            y,
+            batch_size=batch,
+            epochs=2,
+            shuffle=False,
+            verbose=0,
+            callbacks=[record],
+        ).history
+
+        counted = [b for b in range(batches) if b != bad]
+        parts = [x[b * batch : (b + 1) * batch] for b in counted]
+        last_counted = parts[-1]
+        for epoch in range(2):
+            self.assertAllClose(
+                history["mean_0"][epoch],
+                np.concatenate(parts)[:, 0].mean(),
+                rtol=1e-5,
+            )
+            self.assertAllClose(
+                history["sum_0"][epoch],
+                sum(p[:, 0].sum() for p in parts),
+                rtol=1e-5,
+            )
+            self.assertAllClose(
+                history["last_1"][epoch], last_counted[:, 1].mean(), rtol=1e-5
+            )
+            self.assertEqual(history["batches"][epoch], len(counted))
+            self.assertEqual(history["skipped_steps"][epoch], 1.0)
+        self.assertNotIn("step_1", history)
+        # Each batch's own figure; the skipped batch keeps the one before.
+        expected_steps = []
+        for b in range(batches):
+            own = b if b != bad else b - 1
+            expected_steps.append(x[own * batch : (own + 1) * batch, 1].max())
+        self.assertAllClose(
+            [logs["step_1"] for logs in seen], expected_steps * 2, rtol=1e-6
+        )
+        names = [m.name for m in model.metrics]
+        self.assertEqual(
+            names[names.index("mean_0") :],
+            ["mean_0", "sum_0", "last_1", "step_1", "batches", "skipped_steps"],
+        )
+        reported = model.metrics[names.index("mean_0") :]
+        state = [v for m in reported for v in m.variables]
+        self.assertLen(state, 2)
+
+    def test_evaluate_and_reset_as_keras_metrics(self):
+        """`evaluate` logs a reported mean over its own batches from zero
+        (each metric resets its own entries), as it would a Keras `Mean`."""
+        x, y = testing.classification_data(samples=40)
+        model = compiled(testing.mlp(Reporter))
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+        logs = model.evaluate(x[:16], y[:16], batch_size=8, verbose=0,
+                              return_dict=True)
+        self.assertAllClose(logs["first_feature"], x[:16, 0].mean(), rtol=1e-5)
+        first = model.metrics[[m.name for m in model.metrics].index(
+            "first_feature")]
+        first.reset_state()
+        self.assertEqual(float(first.result()), 0.0)
+
+
 class Echo(custom_fit.TrainStepMixin, keras.Model):
     """Reports a constant under a name chosen per test."""
 

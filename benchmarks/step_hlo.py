@@ -4,8 +4,9 @@ For plain Keras, custom_fit configurations and a hand-written jitted step
 (global clipping, per-layer norms, a non-finite check), each in a child
 process that XLA dumps its optimized HLO from, counts in the train step's
 module (the largest one compiled) the instructions of its entry
-computation, the fusions among them, and the reductions (`reduce` ops,
-inside fusions too). The seed MLP 784-64-64-10 at batch 64, Adam. Counts
+computation, the fusions among them, the reductions (`reduce` ops,
+inside fusions too) and the step's outputs (the entry's result tuple).
+The seed MLP 784-64-64-10 at batch 64, Adam. Counts
 are noise-free: they do not depend on the machine's load.
 
     python benchmarks/step_hlo.py
@@ -122,13 +123,16 @@ def run_child(name):
 
 
 def counts(text):
-    """(instructions of the entry, fusions among them, reductions)."""
+    """(instructions of the entry, fusions, reductions, outputs)."""
     entry = text[text.index("ENTRY") :]
     entry = entry[: entry.index("\n}") if "\n}" in entry else len(entry)]
     instructions = [line for line in entry.splitlines() if " = " in line]
     fusions = sum(" fusion(" in line for line in instructions)
     reductions = len(re.findall(r" reduce\(", text))
-    return len(instructions), fusions, reductions
+    root = next(line for line in instructions if "ROOT " in line)
+    operands = root[root.rindex(" tuple(") + len(" tuple(") :]
+    outputs = operands.count(",") + 1 if operands.strip(") ") else 0
+    return len(instructions), fusions, reductions, outputs
 
 
 def measure(name):
@@ -159,12 +163,16 @@ def main():
         run_child(sys.argv[2])
         return
     print(
-        "| step (JAX, seed MLP, Adam) | instructions | fusions | reductions |"
+        "| step (JAX, seed MLP, Adam) | instructions | fusions | reductions "
+        "| outputs |"
     )
-    print("|---|---|---|---|")
+    print("|---|---|---|---|---|")
     for name in CONFIGURATIONS:
-        instructions, fusions, reductions = measure(name)
-        print(f"| {name} | {instructions} | {fusions} | {reductions} |")
+        instructions, fusions, reductions, outputs = measure(name)
+        print(
+            f"| {name} | {instructions} | {fusions} | {reductions} "
+            f"| {outputs} |"
+        )
 
 
 if __name__ == "__main__":

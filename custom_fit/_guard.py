@@ -99,6 +99,8 @@ class Guard:
             self.counter = _state.state_variable(
                 (), "int32", "consecutive_skipped_steps"
             )
+            # Read by the host one call late (`snapshot`).
+            backend.current().watch(self.counter)
             holder.track(self.counter)
         if model.skip_gradient_norm_ratio_above is not None:
             self.norm_average = _state.state_variable(

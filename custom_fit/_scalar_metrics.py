@@ -25,6 +25,7 @@ on every replica).
 from typing import Any
 
 import keras
+import numpy as np
 from keras import ops
 
 from custom_fit import _state
@@ -106,6 +107,10 @@ class PackedMetric(keras.metrics.Metric):
         """Returns the result from the metric's entries."""
         raise NotImplementedError
 
+    def host_result(self, entries: np.ndarray) -> float:
+        """Returns the result from the entries' float32 values on the host."""
+        return float(entries[0])
+
     def state_variables(self) -> list[Any]:
         """Returns the variables that hold the metric's state."""
         return [] if self.place is None else [self.place.pack.variable]
@@ -128,7 +133,7 @@ class PackedMetric(keras.metrics.Metric):
             if sample_weight is None
             else ops.cast(sample_weight, "float32")
         )
-        write([(self, value, weight)])
+        write([(self, value, weight, None)])
 
     def result(self) -> Tensor:
         """Returns the metric's result (0 before its first report)."""
@@ -160,6 +165,10 @@ class ScalarMean(PackedMetric):
     def result_of(self, entries: list[Tensor]) -> Tensor:
         return ops.divide_no_nan(entries[0], entries[1])
 
+    def host_result(self, entries: np.ndarray) -> float:
+        total, count = entries
+        return float(total / count) if count else 0.0
+
 
 class ScalarSum(PackedMetric):
     """Running (weighted) sum of scalar values: one entry."""
@@ -186,20 +195,22 @@ class ScalarLast(PackedMetric):
         return entries[0]
 
 
-Report = tuple[PackedMetric, Tensor, "Tensor | None"]
+# (metric, value, weight, verdict): a float32 value, `None` or a float32
+# weight, `None` or a boolean scalar (whether the report counts).
+Report = tuple[PackedMetric, Tensor, "Tensor | None", "Tensor | None"]
 
 
 def write(reports: list[Report]) -> None:
-    """Applies `reports` to their packs: one update per pack.
+    """Applies `reports` to their packs: one update per pack and verdict.
 
     The metrics must be placed (`PackedMetric.bind`). Additive entries
-    (means, sums) take one `add_to` of the pack, with 0 where no report
-    falls; last values take one assignment, each the latest report whose
-    weight is not 0, else the value the entry had.
+    (means, sums) take one `add_to` per verdict, with 0 where no report
+    falls, nothing where the verdict is false; last values take one
+    assignment, each the latest report that counts and whose weight is not
+    0, else the value the entry had.
 
     Args:
-        reports: `(metric, value, weight)` triples, in the order reported;
-            `value` a float32 scalar, `weight` `None` or a float32 scalar.
+        reports: `Report`s, in the order reported.
     """
     by_pack: dict[int, tuple[Pack, list[Report]]] = {}
     for report in reports:
@@ -215,23 +226,63 @@ def write(reports: list[Report]) -> None:
 
 
 def _add(pack: Pack, reports: list[Report]) -> None:
-    """Adds the reports' deltas to a summed pack, in one update."""
-    deltas: list[Any] = [0.0] * pack.size
-    for metric, value, weight in reports:
+    """Adds the reports' deltas to a summed pack, one update per verdict.
+
+    A report that does not count adds nothing (its value may be NaN: a
+    skipped step's), which `add_to`'s condition makes exact.
+    """
+    groups: dict[int, tuple[Any, list[Any]]] = {}
+    for metric, value, weight, verdict in reports:
+        _, deltas = groups.setdefault(id(verdict), (verdict, [0.0] * pack.size))
         start = metric.place.offset  # type: ignore[union-attr]
         for i, delta in enumerate(metric.delta(value, weight)):
             deltas[start + i] = deltas[start + i] + delta
-    backend.current().add_to(pack.variable, deltas)
+    for verdict, deltas in groups.values():
+        backend.current().add_to(pack.variable, deltas, where=verdict)
 
 
 def _set(pack: Pack, reports: list[Report]) -> None:
     """Sets the reported last values of a pack, in one assignment."""
     current = pack.read()
     values: list[Any] = [current[i] for i in range(pack.size)]
-    for metric, value, weight in reports:
+    for metric, value, weight, verdict in reports:
         start = metric.place.offset  # type: ignore[union-attr]
-        if weight is None:
-            values[start] = value
-        else:
-            values[start] = ops.where(weight > 0, value, values[start])
+        keep = None if weight is None else weight > 0
+        if verdict is not None:
+            keep = verdict if keep is None else ops.logical_and(keep, verdict)
+        values[start] = (
+            value if keep is None else ops.where(keep, value, values[start])
+        )
     pack.variable.assign(ops.stack(values))
+
+
+def results(metrics: list[PackedMetric]) -> list[Any]:
+    """Returns the metrics' results, reading each pack once.
+
+    Where the pack's value is concrete (a step run op by op, or outside a
+    step), the results are Python floats computed on the host from one
+    transfer per pack; inside a traced step, tensors.
+    """
+    values: dict[int, Any] = {}
+    found = []
+    for metric in metrics:
+        if metric.place is None:
+            found.append(0.0)
+            continue
+        pack = metric.place.pack
+        if id(pack) not in values:
+            value = pack.read()
+            try:
+                value = np.asarray(ops.convert_to_numpy(value), np.float32)
+            except Exception:  # noqa: BLE001  (symbolic: computed in the step)
+                pass
+            values[id(pack)] = value
+        value = values[id(pack)]
+        if isinstance(value, np.ndarray):
+            start = metric.place.offset
+            found.append(
+                metric.host_result(value[start : start + metric.width])
+            )
+        else:
+            found.append(metric.result_of(metric.entries(value)))
+    return found

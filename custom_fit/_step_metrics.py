@@ -216,22 +216,23 @@ class StepMetrics:
             self._write(ready)
 
     def _write(self, reports: list["_Pending"]) -> None:
-        """Places new metrics in packs, then applies the reports."""
+        """Places new metrics in packs, then applies the reports.
+
+        A held report counts only where its verdict holds (a mean and a
+        sum add nothing, a last value keeps the previous one).
+        """
         self._place([p.metric for p in reports])
-        triples = []
-        for p in reports:
-            value, weight, verdict = p.leaves
-            if p.held and verdict is not None:
-                # The update counts with weight 0 when the step does not (a
-                # mean and a sum add nothing, a last value keeps the
-                # previous one), the value zeroed first: a skipped step's
-                # value may be NaN.
-                counted = ops.cast(verdict, "float32")
-                weight = counted if weight is None else counted * weight
-                value = ops.where(verdict, value, ops.zeros_like(value))
-            triples.append((p.metric, value, weight))
-        if triples:
-            _scalar_metrics.write(triples)
+        _scalar_metrics.write(
+            [
+                (
+                    p.metric,
+                    p.leaves[0],
+                    p.leaves[1],
+                    p.leaves[2] if p.held else None,
+                )
+                for p in reports
+            ]
+        )
 
     def _place(self, metrics: list[Any]) -> None:
         """Puts the metrics without entries in new packs, one per kind."""
@@ -460,7 +461,12 @@ def results(metrics: list[keras.metrics.Metric]) -> dict[str, Any]:
     contributes its entries; any other, its result under its name.
     """
     logs: dict[str, Any] = {}
+    packed = [m for m in metrics if isinstance(m, _scalar_metrics.PackedMetric)]
+    for metric, result in zip(packed, _scalar_metrics.results(packed)):
+        logs[metric.name] = result
     for metric in metrics:
+        if isinstance(metric, _scalar_metrics.PackedMetric):
+            continue
         result = metric.result()
         if isinstance(result, dict):
             logs.update(result)

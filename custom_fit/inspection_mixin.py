@@ -153,7 +153,7 @@ class GradientInspectionMixin(TrainStepMixin):
         moves by N, and with gradient accumulation it counts updates.
         """
         state = self._current_inspection_state()
-        return int(state.value(state.step)) if state else 0
+        return int(state.value(state.marks)[0]) if state else 0
 
     @property
     def inspection_mark(self) -> tuple[int, int]:
@@ -168,7 +168,7 @@ class GradientInspectionMixin(TrainStepMixin):
         state = self._current_inspection_state()
         if state is None:
             return (0, 0)
-        return (id(state), int(state.value(state.count)))
+        return (id(state), int(state.value(state.marks)[1]))
 
     def _current_inspection_state(self) -> "_InspectionState | None":
         """Returns the state of the last traced step, or `None`.
@@ -230,9 +230,10 @@ class GradientInspectionMixin(TrainStepMixin):
             for (_, kept), g in zip(state.kept, gradients):
                 if g is not None:
                     kept.assign(ops.cast(_gradient_ops.dense(g), kept.dtype))
-            iterations = ops.convert_to_tensor(optimizer.iterations)
-            state.step.assign(ops.cast(iterations + 1, "int32"))
-            state.count.assign(backend.current().read(state.count) + 1)
+            # The step inspected and the count of inspected steps, in one.
+            iterations = ops.cast(optimizer.iterations, "int32")
+            count = backend.current().read(state.marks)[1]
+            state.marks.assign(ops.stack([iterations + 1, count + 1]))
 
         self._run_when(self._is_inspected_step(optimizer), record)
 
@@ -328,8 +329,8 @@ class _InspectionState:
             layer.
         kept: List of `(layer name, variable)` holding the last gradients,
             aligned with the inspected variables (empty unless kept).
-        step: `optimizer.iterations` after the last inspected step.
-        count: The number of inspected steps.
+        marks: Int32 vector: `optimizer.iterations` after the last
+            inspected step, and the number of inspected steps.
     """
 
     def __init__(
@@ -354,14 +355,12 @@ class _InspectionState:
             for owner, variable in zip(owners, variables)
             if keep_gradients
         ]
-        self.step = _state.state_variable((), "int32", "inspected_step")
-        self.count = _state.state_variable((), "int32", "inspection_count")
+        self.marks = _state.state_variable((2,), "int32", "inspection_marks")
         holder = _model_state.state_of(model).holder
         for made in (
             *self.figures.values(),
             *(kept for _, kept in self.kept),
-            self.step,
-            self.count,
+            self.marks,
         ):
             holder.track(made)
 

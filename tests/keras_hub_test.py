@@ -345,11 +345,18 @@ class LayerDepthTest(testing.TestCase):
         else:
             self.assertContainsSubset(blocks, set(groups))
 
-    @parameterized.named_parameters(("full", False), ("lora", True))
-    def test_layer_norms_equal_hand_computed_gradients(self, lora):
+    def test_layer_norms_equal_hand_computed_gradients(self):
         """`gradient_norms` and `grad_norm/<layer>` logs per transformer
         layer equal the norms of gradients taken by hand, grouped by the
         variables' paths."""
+        self.check_layer_norms(lora=False)
+
+    @pytest.mark.jax  # the grouping of LoRA's factors names no backend
+    def test_layer_norms_under_lora_equal_hand_computed_gradients(self):
+        """The same with LoRA: only its factors (and biases) are grouped."""
+        self.check_layer_norms(lora=True)
+
+    def check_layer_norms(self, lora):
         x, y = tokens(samples=4)
         backbone = gpt2_backbone()
         if lora:

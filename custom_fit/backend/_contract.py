@@ -235,12 +235,15 @@ class Adapter(Protocol):
         """
         ...
 
-    def add_to(self, variable: Any, values: Sequence[Any]) -> None:
-        """Adds scalar `values` to a float32 variable's entries, in order.
+    def add_to(
+        self, variable: Any, values: Sequence[Any], where: Any = None
+    ) -> None:
+        """Adds scalar `values` to a float32 vector variable's entries.
 
-        A vector of `len(values)` entries, or a scalar with one value; in
-        one update (on an eager backend, in place, without a dispatch per
-        value).
+        One value per entry, in order (Python numbers or scalar tensors),
+        in one update (on an eager backend, in place, without a dispatch
+        per value). With `where`, a boolean scalar tensor, nothing is
+        added where it is false, NaN values included.
         """
         ...
 
@@ -288,6 +291,15 @@ class Adapter(Protocol):
 
     def host_value(self, model: Any, variable: Any) -> Any:
         """A variable's value on the host (a NumPy array), during `fit` too."""
+        ...
+
+    def watch(self, variable: Any) -> None:
+        """Marks a scalar state variable that the host reads (`snapshot`).
+
+        A stateless step returns such a variable once more, beside the
+        state it donates to its next call, so that a read one call later
+        needs no copy; other state is returned once.
+        """
         ...
 
     def snapshot(self, model: Any, variable: Any) -> Any:

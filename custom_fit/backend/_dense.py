@@ -68,13 +68,12 @@ def divisible_first_axis(tensor: Any, count: int, message: str) -> Any:
     return tensor
 
 
-def add_to(variable: Any, values: Sequence[Any]) -> None:
-    """Adds scalar `values` to the variable's entries, in one `assign_add`."""
-    if len(variable.shape) == 0:
-        (value,) = values
-        variable.assign_add(value)
-        return
-    variable.assign_add(ops.stack([ops.cast(v, "float32") for v in values]))
+def add_to(variable: Any, values: Sequence[Any], where: Any = None) -> None:
+    """Adds scalar `values` to the vector variable's entries, in one update."""
+    added = ops.stack([ops.cast(v, "float32") for v in values])
+    if where is not None:
+        added = ops.where(where, added, ops.zeros_like(added))
+    variable.assign_add(added)
 
 
 # Replicas: one, whose gradients are the global batch's already.

@@ -183,6 +183,20 @@ class PureRun:
         write_back(scope, skip=skip)
 
 
+# The scalar state variables the host reads one call late (`watch`), by id.
+WATCHED: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+
+
+def watch(variable: Any) -> None:
+    """Marks a scalar state variable that the host reads one call late.
+
+    The step returns it once more, outside the state it donates. Called
+    when the variable is made, before any step carries it (the copies a
+    compiled step returns follow the marks made when it was traced).
+    """
+    WATCHED[id(variable)] = variable
+
+
 # The state of each model's latest call of a train or test function, while
 # `fit` runs (Keras writes it into the variables at the end of an epoch).
 LATEST: "weakref.WeakKeyDictionary[Any, Latest]" = weakref.WeakKeyDictionary()
@@ -233,11 +247,11 @@ class Latest:
         self.state = state
         own = state[-1]
         scalar_values = iter(scalars)
-        # The undonated copies of the scalars of custom_fit's state.
+        # The undonated copies of the watched scalars of custom_fit's state.
         self.scalars = {
             id(variable): next(scalar_values)
-            for variable, value in zip(layout.groups[-1], own)
-            if not getattr(value, "shape", ())
+            for variable in layout.groups[-1]
+            if id(variable) in WATCHED
         }
 
     def write(self) -> None:
@@ -368,13 +382,13 @@ class StepFunction:
             for variables in groups
         )
         new_own = [scope.state_mapping[id(v)] for v in own_variables]
-        # The scalars of custom_fit's state once more, in buffers the next
-        # call does not take over (it donates the state): the host reads
-        # them a call later (`snapshot`) without a copy of its own.
+        # The watched scalars of custom_fit's state once more, in buffers
+        # the next call does not take over (it donates the state): the host
+        # reads them a call later (`snapshot`) without a copy of its own.
         scalars = [
             ops.copy(value)
-            for value in new_own
-            if not getattr(value, "shape", ())
+            for variable, value in zip(own_variables, new_own)
+            if id(variable) in WATCHED
         ]
         return logs, new_state, new_own, scalars
 

@@ -71,6 +71,7 @@ from custom_fit.backend._global_data import fit_callbacks  # noqa: F401
 from custom_fit.backend._global_data import forward  # noqa: F401
 from custom_fit.backend._global_data import summed_results  # noqa: F401
 from custom_fit.backend._stateless import collected  # noqa: F401
+from custom_fit.backend._stateless import watch  # noqa: F401
 
 # Differentiation.
 

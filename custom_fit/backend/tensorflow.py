@@ -25,6 +25,7 @@ from custom_fit.backend._global_data import gather_from_processes  # noqa: F401
 from custom_fit.backend._global_data import summed_results  # noqa: F401
 from custom_fit.backend._stateful import after_state_sync  # noqa: F401
 from custom_fit.backend._stateful import collected  # noqa: F401
+from custom_fit.backend._stateful import watch  # noqa: F401
 from custom_fit.backend._stateful import make_step_function  # noqa: F401
 from custom_fit.backend._stateful import write_latest  # noqa: F401
 
@@ -557,13 +558,12 @@ def scaled(gradients: Sequence[Any], factor: Any) -> list[Any]:
     ]
 
 
-def add_to(variable: Any, values: Sequence[Any]) -> None:
-    """Adds scalar `values` to the variable's entries, in one `assign_add`."""
-    if len(variable.shape) == 0:
-        (value,) = values
-        variable.assign_add(value)
-        return
-    variable.assign_add(tf.stack([tf.cast(v, tf.float32) for v in values]))
+def add_to(variable: Any, values: Sequence[Any], where: Any = None) -> None:
+    """Adds scalar `values` to the vector variable's entries, one update."""
+    added = tf.stack([tf.cast(v, tf.float32) for v in values])
+    if where is not None:
+        added = tf.where(where, added, tf.zeros_like(added))
+    variable.assign_add(added)
 
 
 def _values(gradient: Any) -> Any:

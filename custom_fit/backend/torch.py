@@ -55,6 +55,7 @@ from custom_fit.backend._dense import reducible_logs  # noqa: F401
 from custom_fit.backend._dense import replica_count  # noqa: F401
 from custom_fit.backend._stateful import after_state_sync  # noqa: F401
 from custom_fit.backend._stateful import collected  # noqa: F401
+from custom_fit.backend._stateful import watch  # noqa: F401
 from custom_fit.backend._stateful import write_latest  # noqa: F401
 from custom_fit.backend._torch_processes import all_reduce_sum  # noqa: F401
 from custom_fit.backend._torch_processes import batch_gradients  # noqa: F401
@@ -132,26 +133,23 @@ def values_and_grads(
     return values, aux, gradients
 
 
-def add_to(variable: Any, values: Sequence[Any]) -> None:
-    """Adds scalar `values` to the variable's tensor, in place.
+def add_to(variable: Any, values: Sequence[Any], where: Any = None) -> None:
+    """Adds scalar `values` to the vector variable's tensor, in place.
 
     One `add_` (the values stacked with `torch.stack`), where `assign_add`
     of Keras would convert, cast and dispatch several ops.
     """
     target = _parameter(variable)
     with torch.no_grad():
-        if target.dim() == 0:
-            (value,) = values
-            target.add_(torch.as_tensor(value, dtype=target.dtype))
-            return
-        target.add_(
-            torch.stack(
-                [
-                    torch.as_tensor(v, dtype=target.dtype, device=target.device)
-                    for v in values
-                ]
-            )
+        added = torch.stack(
+            [
+                torch.as_tensor(v, dtype=target.dtype, device=target.device)
+                for v in values
+            ]
         )
+        if where is not None:
+            added = torch.where(torch.as_tensor(where), added, 0.0)
+        target.add_(added)
 
 
 def squared_sums(gradients: Sequence[Any]) -> Any:

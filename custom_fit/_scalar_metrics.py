@@ -146,10 +146,20 @@ class PackedMetric(keras.metrics.Metric):
         if self.place is None:
             return
         pack, start = self.place.pack, self.place.offset
-        index = ops.arange(pack.size)
-        mine = ops.logical_and(index >= start, index < start + self.width)
         current = pack.read()
-        pack.variable.assign(ops.where(mine, ops.zeros_like(current), current))
+        try:
+            values = np.array(ops.convert_to_numpy(current), np.float32)
+        except Exception:  # noqa: BLE001  (symbolic: zeroed in the graph)
+            index = ops.arange(pack.size)
+            mine = ops.logical_and(index >= start, index < start + self.width)
+            zeros = ops.zeros_like(current)
+            pack.variable.assign(ops.where(mine, zeros, current))
+            return
+        # Written from the host, as Keras resets its metrics: a value
+        # computed on devices would carry a layout of XLA's choice, and a
+        # step compiled for the variable's layout would compile again.
+        values[start : start + self.width] = 0.0
+        pack.variable.assign(values)
 
 
 class ScalarMean(PackedMetric):

@@ -100,7 +100,7 @@ class Guard:
                 (), "int32", "consecutive_skipped_steps"
             )
             # Read by the host one call late (`snapshot`).
-            backend.current().watch(self.counter)
+            backend.current().read_late(self.counter)
             holder.track(self.counter)
         if model.skip_gradient_norm_ratio_above is not None:
             self.norm_average = _state.state_variable(

@@ -137,10 +137,13 @@ class StepMetrics:
         self.kinds.setdefault(key, set()).add(self.step())
         counted = getattr(self._held, "counted", None)
         if getattr(self._held, "batched", False):
-            # A held report before the verdict takes it at `release`.
+            # A held report before the verdict takes it at `release`. The
+            # value is written later: as it is now, even where it is a
+            # variable's own tensor that the update changes in place.
             verdict = counted if held else None
+            kept_value = backend.current().unaliased(value)
             backend.current().collected().append(
-                _Pending(self, metric, held, value, weight, verdict)
+                _Pending(self, metric, held, kept_value, weight, verdict)
             )
             return
         kept = getattr(self._held, "before", None)
@@ -175,6 +178,9 @@ class StepMetrics:
             if not outer:
                 items = backend.current().collected()
                 items[:] = [i for i in items if i.registry is not self]
+                # A step that raised before its verdict holds nothing more.
+                self._held.before = None
+                self._held.counted = None
 
     @contextlib.contextmanager
     def at_once(self) -> Iterator[None]:

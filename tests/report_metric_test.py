@@ -221,6 +221,72 @@ class PackedFiguresTest(testing.TestCase):
         )
 
 
+class ReportsItsScale(custom_fit.TrainStepMixin, keras.Model):
+    """Reports a trainable scale (a variable) and the batch's mean; can
+    raise inside its step."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(1, kernel_initializer="ones")
+        self.raises = False
+
+    def build(self, input_shape):
+        self.dense.build(input_shape)
+        self.scale = self.add_weight(shape=(), initializer="ones")
+
+    def call(self, x):
+        return self.dense(x) * self.scale
+
+    def compute_loss(
+        self, x=None, y=None, y_pred=None, sample_weight=None, training=True
+    ):
+        loss = super().compute_loss(
+            x, y, y_pred, sample_weight, training=training
+        )
+        self.report_metric("scale", self.scale)
+        self.report_metric("x_mean", ops.mean(x))
+        return loss
+
+    def transform_gradients(self, gradients, variables):
+        if self.raises:
+            raise RuntimeError("a failing hook")
+        return super().transform_gradients(gradients, variables)
+
+
+class CollectedReportsTest(testing.TestCase):
+    def test_a_reported_variable_logs_its_value_at_the_report(self):
+        """A variable reported before the update logs the value it had then
+        (1.0), not the one the update wrote in place afterwards."""
+        x = np.full((8, 2), 3.0, "float32")
+        model = ReportsItsScale()
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        model(x)
+        history = model.fit(x, np.zeros((8, 1)), batch_size=8, verbose=0)
+        self.assertGreater(
+            abs(float(keras.ops.convert_to_numpy(model.scale)) - 1.0), 1e-3
+        )
+        self.assertAllClose(history.history["scale"], [1.0])
+
+    @pytest.mark.skipif(
+        testing.BACKEND == "jax",
+        reason="Keras' JAX trainer leaves a model whose training step raised "
+        "without its variables' values (a plain keras.Model too)",
+    )
+    def test_a_step_that_raised_holds_no_later_report(self):
+        """After a guarded step raised before its verdict, `evaluate` logs
+        its reports (the batch mean, 3.0), none held for a verdict."""
+        x = np.full((8, 2), 3.0, "float32")
+        model = ReportsItsScale(skip_nonfinite=True)
+        model.compile(optimizer="sgd", loss="mse")
+        model(x)
+        model.raises = True
+        with self.assertRaisesRegex(RuntimeError, "a failing hook"):
+            model.fit(x, np.zeros((8, 1)), batch_size=8, verbose=0)
+        model.raises = False
+        logs = model.evaluate(x, np.zeros((8, 1)), verbose=0, return_dict=True)
+        self.assertAllClose(logs["x_mean"], 3.0)
+
+
 class Echo(custom_fit.TrainStepMixin, keras.Model):
     """Reports a constant under a name chosen per test."""
 

@@ -293,7 +293,16 @@ class Adapter(Protocol):
         """A variable's value on the host (a NumPy array), during `fit` too."""
         ...
 
-    def watch(self, variable: Any) -> None:
+    def unaliased(self, value: Any) -> Any:
+        """A value that later in-place writes leave as it is now.
+
+        On a backend whose variables are updated in place, a copy of a
+        tensor that shares a variable's storage (the variable's own tensor,
+        a view of it); any other value as it is.
+        """
+        ...
+
+    def read_late(self, variable: Any) -> None:
         """Marks a scalar state variable that the host reads (`snapshot`).
 
         A stateless step returns such a variable once more, beside the

@@ -68,6 +68,11 @@ def divisible_first_axis(tensor: Any, count: int, message: str) -> Any:
     return tensor
 
 
+def unaliased(value: Any) -> Any:
+    """Returns `value`: a tensor here never changes in place."""
+    return value
+
+
 def add_to(variable: Any, values: Sequence[Any], where: Any = None) -> None:
     """Adds scalar `values` to the vector variable's entries, in one update."""
     added = ops.stack([ops.cast(v, "float32") for v in values])

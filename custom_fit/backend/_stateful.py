@@ -41,6 +41,6 @@ def collected() -> list[Any]:
     return _LOCAL.collected
 
 
-def watch(variable: Any) -> None:
+def read_late(variable: Any) -> None:
     """Does nothing: the variables always hold the latest values."""
     del variable

@@ -183,18 +183,20 @@ class PureRun:
         write_back(scope, skip=skip)
 
 
-# The scalar state variables the host reads one call late (`watch`), by id.
-WATCHED: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+# The scalar state variables the host reads one call late (`read_late`).
+READ_LATE: "weakref.WeakValueDictionary[int, Any]" = (
+    weakref.WeakValueDictionary()
+)
 
 
-def watch(variable: Any) -> None:
+def read_late(variable: Any) -> None:
     """Marks a scalar state variable that the host reads one call late.
 
     The step returns it once more, outside the state it donates. Called
     when the variable is made, before any step carries it (the copies a
     compiled step returns follow the marks made when it was traced).
     """
-    WATCHED[id(variable)] = variable
+    READ_LATE[id(variable)] = variable
 
 
 # The state of each model's latest call of a train or test function, while
@@ -245,13 +247,12 @@ class Latest:
     ) -> None:
         self.layout = layout
         self.state = state
-        own = state[-1]
         scalar_values = iter(scalars)
-        # The undonated copies of the watched scalars of custom_fit's state.
+        # The undonated copies of the scalars the host reads late.
         self.scalars = {
             id(variable): next(scalar_values)
             for variable in layout.groups[-1]
-            if id(variable) in WATCHED
+            if id(variable) in READ_LATE
         }
 
     def write(self) -> None:
@@ -382,13 +383,13 @@ class StepFunction:
             for variables in groups
         )
         new_own = [scope.state_mapping[id(v)] for v in own_variables]
-        # The watched scalars of custom_fit's state once more, in buffers
+        # The scalars read late of custom_fit's state once more, in buffers
         # the next call does not take over (it donates the state): the host
         # reads them a call later (`snapshot`) without a copy of its own.
         scalars = [
             ops.copy(value)
             for variable, value in zip(own_variables, new_own)
-            if id(variable) in WATCHED
+            if id(variable) in READ_LATE
         ]
         return logs, new_state, new_own, scalars
 

@@ -67,11 +67,12 @@ from custom_fit.backend._dense import replica_count  # noqa: F401
 from custom_fit.backend._dense import scaled  # noqa: F401
 from custom_fit.backend._dense import squared_sums  # noqa: F401
 from custom_fit.backend._dense import summed_count  # noqa: F401
+from custom_fit.backend._dense import unaliased  # noqa: F401
 from custom_fit.backend._global_data import fit_callbacks  # noqa: F401
 from custom_fit.backend._global_data import forward  # noqa: F401
 from custom_fit.backend._global_data import summed_results  # noqa: F401
 from custom_fit.backend._stateless import collected  # noqa: F401
-from custom_fit.backend._stateless import watch  # noqa: F401
+from custom_fit.backend._stateless import read_late  # noqa: F401
 
 # Differentiation.
 

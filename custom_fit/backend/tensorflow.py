@@ -25,8 +25,8 @@ from custom_fit.backend._global_data import gather_from_processes  # noqa: F401
 from custom_fit.backend._global_data import summed_results  # noqa: F401
 from custom_fit.backend._stateful import after_state_sync  # noqa: F401
 from custom_fit.backend._stateful import collected  # noqa: F401
-from custom_fit.backend._stateful import watch  # noqa: F401
 from custom_fit.backend._stateful import make_step_function  # noqa: F401
+from custom_fit.backend._stateful import read_late  # noqa: F401
 from custom_fit.backend._stateful import write_latest  # noqa: F401
 
 # Differentiation.
@@ -556,6 +556,11 @@ def scaled(gradients: Sequence[Any], factor: Any) -> list[Any]:
         else g * tf.cast(factor, g.dtype)
         for g in gradients
     ]
+
+
+def unaliased(value: Any) -> Any:
+    """Returns `value`: a read placed in the graph keeps the value it read."""
+    return value
 
 
 def add_to(variable: Any, values: Sequence[Any], where: Any = None) -> None:

@@ -55,7 +55,7 @@ from custom_fit.backend._dense import reducible_logs  # noqa: F401
 from custom_fit.backend._dense import replica_count  # noqa: F401
 from custom_fit.backend._stateful import after_state_sync  # noqa: F401
 from custom_fit.backend._stateful import collected  # noqa: F401
-from custom_fit.backend._stateful import watch  # noqa: F401
+from custom_fit.backend._stateful import read_late  # noqa: F401
 from custom_fit.backend._stateful import write_latest  # noqa: F401
 from custom_fit.backend._torch_processes import all_reduce_sum  # noqa: F401
 from custom_fit.backend._torch_processes import batch_gradients  # noqa: F401
@@ -131,6 +131,19 @@ def values_and_grads(
             for i, name in enumerate(names)
         }
     return values, aux, gradients
+
+
+def unaliased(value: Any) -> Any:
+    """Returns `value`, copied when it shares a variable's storage.
+
+    A variable's own tensor (a `torch.nn.Parameter`) and views of one (an
+    entry, a slice) change with the variable's in-place updates.
+    """
+    if isinstance(value, torch.Tensor) and (
+        isinstance(value, torch.nn.Parameter) or value._base is not None
+    ):
+        return value.detach().clone()
+    return value
 
 
 def add_to(variable: Any, values: Sequence[Any], where: Any = None) -> None:

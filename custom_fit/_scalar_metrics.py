@@ -99,6 +99,13 @@ class PackedMetric(keras.metrics.Metric):
         start = self.place.offset
         return [value[start + i] for i in range(self.width)]
 
+    def entry_mask(self) -> Tensor:
+        """Returns a boolean vector over the pack: true at its entries."""
+        assert self.place is not None
+        start, size = self.place.offset, self.place.pack.size
+        index = ops.arange(size)
+        return ops.logical_and(index >= start, index < start + self.width)
+
     def delta(self, value: Tensor, weight: Tensor | None) -> list[Tensor]:
         """Returns what a report adds to the entries (additive metrics)."""
         raise NotImplementedError
@@ -150,10 +157,8 @@ class PackedMetric(keras.metrics.Metric):
         try:
             values = np.array(ops.convert_to_numpy(current), np.float32)
         except Exception:  # noqa: BLE001  (symbolic: zeroed in the graph)
-            index = ops.arange(pack.size)
-            mine = ops.logical_and(index >= start, index < start + self.width)
             zeros = ops.zeros_like(current)
-            pack.variable.assign(ops.where(mine, zeros, current))
+            pack.variable.assign(ops.where(self.entry_mask(), zeros, current))
             return
         # Written from the host, as Keras resets its metrics: a value
         # computed on devices would carry a layout of XLA's choice, and a

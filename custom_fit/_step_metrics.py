@@ -67,7 +67,6 @@ class StepMetrics:
         self.kinds: dict[str, set[tuple[int, str | None]]] = {}
         self.driver: tuple[Any, str] | None = None
         self.muted = False
-        self.packs: list[_scalar_metrics.Pack] = []
         self._held = threading.local()
 
     @contextlib.contextmanager
@@ -258,7 +257,6 @@ class StepMetrics:
             for metric in members:
                 metric.bind(pack, offset)
                 offset += metric.width
-            self.packs.append(pack)
 
     def hold(self) -> None:
         """Starts holding, in this thread, the reports of a guarded step.
@@ -306,10 +304,8 @@ class StepMetrics:
             return
         skipped = ops.logical_not(counted)
         for metric, value in kept.values():
-            pack, start = metric.place.pack, metric.place.offset
-            index = ops.arange(pack.size)
-            mine = ops.logical_and(index >= start, index < start + metric.width)
-            restore = ops.logical_and(skipped, mine)
+            pack = metric.place.pack
+            restore = ops.logical_and(skipped, metric.entry_mask())
             pack.variable.assign(ops.where(restore, value, pack.read()))
 
     def _metric(self, key: str, reduction: str) -> keras.metrics.Metric:

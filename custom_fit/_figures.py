@@ -142,7 +142,9 @@ class Figures:
         """
         keys = [key for g, key in zip(self.gradients, groups) if g is not None]
         segments = _segments(tuple(order), tuple(keys))
-        sums = ops.segment_sum(self.squares, segments, len(order) + 1)
+        sums = backend.current().group_sums(
+            self.squares, segments, len(order) + 1
+        )
         return sums[: len(order)]
 
     def scaled(

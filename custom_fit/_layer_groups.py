@@ -5,7 +5,14 @@
 models used as layers (`"encoder/dense_1"`).
 """
 
+import weakref
 from typing import Any
+
+# model -> {(depth, ids and trainable flags of the variables): (the
+# variables, their names)}.
+# An eager step asks at every step; the variables are kept so that their
+# ids stay theirs while the entry lives.
+_NAMES: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 
 
 def assign_owners(
@@ -40,7 +47,14 @@ def layer_names(model: Any, variables: Any, depth: int) -> list[str]:
         A list of group names aligned with `variables`; a variable that no
         entry of `model.layers` owns gets the model's name.
     """
-    owners: dict[int, str] = {}
-    for layer in model.layers:
-        assign_owners(layer, layer.name, depth, owners)
-    return [owners.get(id(variable), model.name) for variable in variables]
+    variables = list(variables)
+    # Freezing a layer changes which of its variables it owns here.
+    key = (depth, tuple((id(v), bool(v.trainable)) for v in variables))
+    known = _NAMES.setdefault(model, {})
+    if key not in known:
+        owners: dict[int, str] = {}
+        for layer in model.layers:
+            assign_owners(layer, layer.name, depth, owners)
+        names = [owners.get(id(v), model.name) for v in variables]
+        known[key] = (variables, names)
+    return list(known[key][1])

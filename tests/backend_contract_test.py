@@ -6,6 +6,8 @@ import importlib
 import inspect
 import os
 
+import keras
+import numpy as np
 import pytest
 from absl.testing import parameterized
 
@@ -196,3 +198,30 @@ def _backend_names(root, path):
         ):
             found.append(f"{path}:{node.lineno} defines {node.name}")
     return found
+
+
+class NumbersTest(testing.TestCase):
+    """The adapter's fused primitives against NumPy, on the backend in use."""
+
+    def test_group_sums_keep_nonfinite_values_in_their_group(self):
+        values = np.array([1.0, 2.0, np.inf, 4.0, np.nan, 0.5], "float32")
+        segments = np.array([0, 0, 1, 3, 4, 0], "int32")
+        expected = np.zeros(5, "float32")
+        np.add.at(expected, segments, values)
+        sums = backend.current().group_sums(
+            keras.ops.convert_to_tensor(values), segments, 5
+        )
+        # Group 2 is empty: 0. The Inf and the NaN stay in groups 1 and 4.
+        np.testing.assert_array_equal(keras.ops.convert_to_numpy(sums), expected)
+
+    def test_squared_sums_are_numpy_sums_of_squares(self):
+        rng = np.random.default_rng(0)
+        arrays = [rng.normal(size=s).astype("float32") for s in [(3, 4), (5,)]]
+        sums = backend.current().squared_sums(
+            [keras.ops.convert_to_tensor(a) for a in arrays]
+        )
+        self.assertAllClose(
+            keras.ops.convert_to_numpy(sums),
+            [np.sum(np.square(a.astype("float64"))) for a in arrays],
+            rtol=1e-6,
+        )

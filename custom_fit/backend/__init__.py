@@ -67,8 +67,11 @@ def current() -> Adapter:
     Raises:
         ValueError: If the backend is not supported.
     """
-    check_supported()
-    adapter: Adapter = _module(name())  # type: ignore[assignment]
+    backend_name = name()
+    if backend_name not in SUPPORTED:
+        check_supported()
+    # Called many times per eager step: one lookup, no second check.
+    adapter: Adapter = _module(backend_name)  # type: ignore[assignment]
     return adapter
 
 

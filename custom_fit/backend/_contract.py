@@ -101,6 +101,15 @@ class Adapter(Protocol):
         """
         ...
 
+    def group_sums(self, values: Any, segments: Any, count: int) -> Any:
+        """Returns the sums of a float32 vector's entries in `count` groups.
+
+        `segments` (an int32 NumPy vector as long as `values`) gives each
+        entry's group; an empty group sums to 0, and a NaN or Inf stays in
+        its group. One fused primitive where the backend has one.
+        """
+        ...
+
     def scaled(self, gradients: Sequence[Any], factor: Any) -> list[Any]:
         """Returns each gradient times `factor` (a float or scalar tensor).
 

@@ -24,6 +24,11 @@ def squared_sums(gradients: Sequence[Any]) -> Any:
     )
 
 
+def group_sums(values: Any, segments: Any, count: int) -> Any:
+    """Returns the sum of `values` in each of `count` groups."""
+    return ops.segment_sum(values, segments, count)
+
+
 def scaled(gradients: Sequence[Any], factor: Any) -> list[Any]:
     """Returns each gradient times `factor`, in its own dtype."""
     return [g * ops.cast(factor, g.dtype) for g in gradients]

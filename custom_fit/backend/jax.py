@@ -58,6 +58,7 @@ from custom_fit.backend._dense import deduplicate  # noqa: F401
 from custom_fit.backend._dense import dense  # noqa: F401
 from custom_fit.backend._dense import dense_size  # noqa: F401
 from custom_fit.backend._dense import divisible_first_axis  # noqa: F401
+from custom_fit.backend._dense import group_sums  # noqa: F401
 from custom_fit.backend._dense import is_sparse  # noqa: F401
 from custom_fit.backend._dense import map_values  # noqa: F401
 from custom_fit.backend._dense import on_first_replica  # noqa: F401

@@ -548,6 +548,11 @@ def squared_sums(gradients: Sequence[Any]) -> Any:
     )
 
 
+def group_sums(values: Any, segments: Any, count: int) -> Any:
+    """Returns the sum of `values` in each of `count` groups."""
+    return tf.math.unsorted_segment_sum(values, segments, count)
+
+
 def scaled(gradients: Sequence[Any], factor: Any) -> list[Any]:
     """Returns each gradient times `factor`; sparse ones keep indices."""
     return [

@@ -179,6 +179,19 @@ def squared_sums(gradients: Sequence[Any]) -> Any:
     return torch.stack(torch._foreach_norm(tensors, 2)).square()
 
 
+def group_sums(values: Any, segments: Any, count: int) -> Any:
+    """Returns the sum of `values` in each of `count` groups.
+
+    One `index_add`, where Keras' `segment_sum` on PyTorch dispatches
+    several ops (a sort and `repeat_interleave` among them).
+    """
+    values = torch.as_tensor(values)
+    index = torch.as_tensor(segments, dtype=torch.int64, device=values.device)
+    return torch.zeros(
+        count, dtype=values.dtype, device=values.device
+    ).index_add_(0, index, values)
+
+
 def scaled(gradients: Sequence[Any], factor: Any) -> list[Any]:
     """Returns each gradient times `factor`, in one fused call per dtype.
 

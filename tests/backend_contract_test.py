@@ -212,7 +212,9 @@ class NumbersTest(testing.TestCase):
             keras.ops.convert_to_tensor(values), segments, 5
         )
         # Group 2 is empty: 0. The Inf and the NaN stay in groups 1 and 4.
-        np.testing.assert_array_equal(keras.ops.convert_to_numpy(sums), expected)
+        np.testing.assert_array_equal(
+            keras.ops.convert_to_numpy(sums), expected
+        )
 
     def test_squared_sums_are_numpy_sums_of_squares(self):
         rng = np.random.default_rng(0)

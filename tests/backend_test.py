@@ -204,6 +204,29 @@ class JaxStepTest(testing.TestCase):
         model.fit(x, y, batch_size=16, verbose=0, shuffle=False)
         self.assertAllClose(model.get_weights(), expected, atol=1e-6)
 
+    def test_guarded_update_is_traced_once_per_trace_of_the_step(self):
+        """The conditional update (`run_if`) traces the optimizer's update
+        once, in its branch: two traces of the step in all (the abstract
+        discovery and `jax.jit`), not four (a probe before each)."""
+        x, y = testing.classification_data(samples=32)
+        model = testing.mlp(Net, skip_nonfinite=True, global_clipnorm=1.0)
+        optimizer = keras.optimizers.SGD(0.1)
+        model.compile(
+            optimizer=optimizer,
+            loss=testing.sparse_crossentropy(),
+            jit_compile=True,
+        )
+        traced = []
+        update = optimizer.stateless_apply
+
+        def counted(*args, **kwargs):
+            traced.append(1)
+            return update(*args, **kwargs)
+
+        optimizer.stateless_apply = counted
+        model.fit(x, y, batch_size=16, epochs=2, verbose=0)
+        self.assertLen(traced, 2)
+
 
 def data_parallel():
     """Returns a DataParallel layout over every (host) device."""

@@ -8,8 +8,8 @@ models used as layers (`"encoder/dense_1"`).
 import weakref
 from typing import Any
 
-# model -> {(depth, ids and trainable flags of the variables): (the
-# variables, their names)}.
+# model -> {(depth, ids and trainable flags of the variables, the names of
+# the model and its layers): (the variables, their names)}.
 # An eager step asks at every step; the variables are kept so that their
 # ids stay theirs while the entry lives.
 _NAMES: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
@@ -35,6 +35,20 @@ def assign_owners(
             owners.setdefault(id(variable), path)
 
 
+def _names_within(model: Any, depth: int) -> tuple:
+    """Returns the names the group names are made of.
+
+    Those of `model.layers`, and of the layers inside them down to `depth`
+    levels.
+    """
+    return tuple(
+        (layer.name, _names_within(layer, depth - 1))
+        if depth > 1 and getattr(layer, "layers", None)
+        else layer.name
+        for layer in model.layers
+    )
+
+
 def layer_names(model: Any, variables: Any, depth: int) -> list[str]:
     """Returns, for each variable, the name of the group that owns it.
 
@@ -48,8 +62,14 @@ def layer_names(model: Any, variables: Any, depth: int) -> list[str]:
         entry of `model.layers` owns gets the model's name.
     """
     variables = list(variables)
-    # Freezing a layer changes which of its variables it owns here.
-    key = (depth, tuple((id(v), bool(v.trainable)) for v in variables))
+    # Freezing a layer changes which of its variables it owns here, and a
+    # renamed layer names its group anew.
+    key = (
+        depth,
+        tuple((id(v), bool(v.trainable)) for v in variables),
+        model.name,
+        _names_within(model, depth),
+    )
     known = _NAMES.setdefault(model, {})
     if key not in known:
         owners: dict[int, str] = {}

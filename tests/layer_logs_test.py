@@ -295,6 +295,23 @@ class LayerDepthTest(testing.TestCase):
                 msg=layer,
             )
 
+    def test_a_renamed_layer_names_its_group_anew(self):
+        """The group names follow a rename made after they were first
+        asked for, at depth 1 and inside the nested model at depth 2
+        (the model's own `layers` are the oracle)."""
+        model = nested_model(Inspected, layer_depth=2)
+        variables = model.trainable_variables
+        self.assertEqual(
+            model.layer_names_of(variables),
+            ["encoder/d1"] * 2 + ["encoder/d2"] * 2 + ["head"] * 2,
+        )
+        model.get_layer("head").name = "top"
+        model.get_layer("encoder").get_layer("d1").name = "first"
+        self.assertEqual(
+            model.layer_names_of(variables),
+            ["encoder/first"] * 2 + ["encoder/d2"] * 2 + ["top"] * 2,
+        )
+
     def test_depth_one_keeps_the_nested_model_whole(self):
         """With the default layer_depth=1 the encoder is one group."""
         x, y = testing.classification_data(samples=16)

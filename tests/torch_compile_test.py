@@ -224,6 +224,30 @@ class TorchCompileTest(testing.TestCase):
         gc.collect()
         self.assertTrue(all(r() is None for r in references))
 
+    def test_several_steps_per_execution_are_refused(self):
+        """`steps_per_execution=3` with `jit_compile=True` is refused by
+        `fit` and `evaluate`, as Keras' PyTorch trainer refuses it, and
+        trains nothing (a call used to run only its first batch: 4
+        updates for 12 batches)."""
+        x, y = data()
+        model = network(Clipped, global_clipnorm=1.0)
+        model.compile(
+            optimizer="sgd",
+            loss="sparse_categorical_crossentropy",
+            jit_compile=True,
+            steps_per_execution=3,
+        )
+        before = model.get_weights()
+        for run in (
+            lambda: model.fit(x, y, batch_size=8, epochs=1, verbose=0),
+            lambda: model.evaluate(x, y, batch_size=8, verbose=0),
+        ):
+            with self.assertRaisesRegex(ValueError, "steps_per_execution=3"):
+                run()
+        self.assertEqual(int(model.optimizer.iterations.numpy()), 0)
+        for got, expected in zip(model.get_weights(), before):
+            self.assertAllClose(got, expected)
+
     def test_keras_code_with_jit_compile_runs_unchanged(self):
         """Code written for plain Keras (`compile(jit_compile=True)`, then
         `fit`, `evaluate`, `predict`) runs on a custom_fit model and gives

@@ -475,8 +475,20 @@ def make_step_function(
     """Returns the train or test function, data parallel over processes.
 
     Keras' own, or with `jit_compile=True` one whose forward pass is
-    compiled (`_torch_compile`) rather than the whole step.
+    compiled (`_torch_compile`) rather than the whole step. Either runs one
+    batch per call, so `steps_per_execution` above 1 is refused, as Keras'
+    PyTorch trainer refuses it (a call would drop the batches after its
+    first).
     """
+    if model.steps_per_execution > 1:
+        raise ValueError(
+            "`steps_per_execution` must be 1 with the PyTorch backend: a "
+            "call of the train or test function runs one batch, as in "
+            "Keras' PyTorch trainer. Received: "
+            f"steps_per_execution={model.steps_per_execution} (with "
+            f"jit_compile={model.jit_compile!r}). Compile with "
+            "steps_per_execution=1."
+        )
     if model.jit_compile is True:
         function = _torch_compile.step_function(model, kind)
     else:

@@ -3,11 +3,12 @@
 A keras-hub GPT-2 backbone built from its constructor (no download; by
 default 6 layers, hidden 768, 12 heads, the GPT-2 vocabulary of 50,257
 tokens, sequences of 256 tokens, batch 16), its logits from the tied token
-embedding, trained with `fit` under the `mixed_bfloat16` policy on
-synthetic token ids. Every backend in `--backends` (JAX and PyTorch by
-default) runs in a child process of its own (`KERAS_BACKEND` is fixed at
-import); each configuration is built, compiled and warmed up once, then
-timed in interleaved rounds whose order rotates, one `fit` call per round.
+embedding (projected in bfloat16, see `child`), trained with `fit` under
+the `mixed_bfloat16` policy on synthetic token ids. Every backend in
+`--backends` (JAX and PyTorch by default) runs in a child process of its
+own (`KERAS_BACKEND` is fixed at import); each configuration is built,
+compiled and warmed up once, then timed in interleaved rounds whose order
+rotates, one `fit` call per round.
 A callback marks the end of the first and of the last step of each round,
 after reading the step's loss (which waits for the device), so `fit`'s
 set-up and the first step's dispatch are not counted. Reported per
@@ -156,6 +157,14 @@ def child(size, names, steps, rounds, warmup):
                 (length,), dtype="int32", name="padding_mask"
             ),
         }
+        # Keras' JAX trainer calls `model.call` itself, so the model's own
+        # autocast scope is never entered and the tied embedding (an
+        # `Embedding`, `autocast=False`) casts its weights to bfloat16
+        # when the top model calls it; custom_fit calls the model as
+        # Keras' TensorFlow and PyTorch trainers do, and there the
+        # projection runs in float32 (3 of the 16 ms of a step on an
+        # H200). A `reverse_dtype` makes every run compute the same thing.
+        backbone.token_embedding.reverse_dtype = "bfloat16"
         logits = backbone.token_embedding(backbone(inputs), reverse=True)
         bases = tuple(getattr(custom_fit, m) for m in mixins)
         model_class = type(name, (*bases, keras.Model), {})

@@ -358,3 +358,78 @@ class ConsecutiveSkipsTest(testing.TestCase):
         oracle.fit(x, y, batch_size=4, shuffle=False, verbose=0)
         self.assertEqual(history.history["skipped_steps"], [0.0])
         self.assertAllClose(model.get_weights(), oracle.get_weights())
+
+
+class ZeroWhileTraining(keras.layers.Layer):
+    """Zero while training, the identity otherwise."""
+
+    def call(self, x, training=None):
+        return x * 0.0 if training else x
+
+
+class Gated(custom_fit.TrainStepMixin, keras.Model):
+    """A subclassed model whose `call` does not pass `training` on."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.gate = ZeroWhileTraining()
+        self.dense = keras.layers.Dense(
+            1, kernel_initializer="ones", use_bias=False
+        )
+
+    def call(self, x, training=None):
+        return self.dense(self.gate(x))
+
+
+class Tied(custom_fit.TrainStepMixin, keras.Model):
+    """Records the dtype of the predictions its step computes the loss on."""
+
+    def compute_loss(
+        self, x=None, y=None, y_pred=None, sample_weight=None, training=True
+    ):
+        self.prediction_dtype = keras.backend.standardize_dtype(y_pred.dtype)
+        return super().compute_loss(x, y, y_pred, sample_weight, training)
+
+
+class ModelCallTest(testing.TestCase):
+    """The step calls the model as `model(x, training=True)` on every backend.
+
+    Keras' TensorFlow and PyTorch trainers do; its JAX trainer calls
+    `model.call` directly instead, which skips the model's own call
+    context and autocast scope. The oracle is Keras' documented call:
+    the model called by the test.
+    """
+
+    def test_training_reaches_layers_the_call_does_not_pass_it_to(self):
+        model = Gated()
+        x = np.ones((4, 3), "float32")
+        y = np.ones((4, 1), "float32")
+        model.compile(optimizer="sgd", loss="mse")
+        history = model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+        expected = np.mean((testing.to_numpy(model(x, training=True)) - y) ** 2)
+        self.assertEqual(expected, 1.0)  # the gate closed
+        self.assertAllClose(history.history["loss"][0], expected)
+
+    def test_mixed_precision_predictions_as_a_call_computes_them(self):
+        keras.mixed_precision.set_global_policy("mixed_bfloat16")
+        try:
+            ids = keras.Input((5,), dtype="int32")
+            embedding = keras.layers.ReversibleEmbedding(11, 4)
+            logits = embedding(
+                keras.layers.Dense(4)(embedding(ids)), reverse=True
+            )
+            model = Tied(ids, logits)
+            model.compile(
+                optimizer="sgd",
+                loss=keras.losses.SparseCategoricalCrossentropy(
+                    from_logits=True
+                ),
+            )
+            x = np.arange(10, dtype="int32").reshape(2, 5)
+            model.fit(x, x, batch_size=2, epochs=1, verbose=0)
+            expected = keras.backend.standardize_dtype(model(x).dtype)
+        finally:
+            keras.mixed_precision.set_global_policy("float32")
+        # The projection of an `Embedding` (no autocast) in float32.
+        self.assertEqual(expected, "float32")
+        self.assertEqual(model.prediction_dtype, expected)

@@ -14,11 +14,9 @@ from collections.abc import Iterable
 from collections.abc import Sequence
 from typing import Any
 
-import keras
 from keras import ops
 
 from custom_fit import _gradient_ops
-from custom_fit import backend
 from custom_fit._types import Tensor
 from custom_fit._types import Variable
 from custom_fit._types import Weight
@@ -130,15 +128,7 @@ def l2_penalty(variables: Iterable[Weight], l2: float) -> Tensor:
     2.5
     ```
     """
-    # One fused primitive on eager PyTorch (`torch._foreach_norm`, whose
-    # gradient is 2 w, 0 at 0) where a sum of squares per variable would
-    # dispatch three ops each.
-    tensors = [
-        v.value if isinstance(v, keras.Variable) else v for v in variables
-    ]
-    if not tensors:
-        return ops.convert_to_tensor(0.0, "float32")
-    return l2 * ops.sum(backend.current().squared_sums(tensors))
+    return l2 * _sum_over(variables, ops.square)
 
 
 def input_gradient_penalty(

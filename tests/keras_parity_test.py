@@ -381,6 +381,24 @@ class Gated(custom_fit.TrainStepMixin, keras.Model):
         return self.dense(self.gate(x))
 
 
+class TiedEmbedding(keras.layers.Embedding):
+    """An `Embedding` (`autocast=False`) that also projects onto its rows."""
+
+    def call(self, inputs, reverse=False):
+        if reverse:
+            return keras.ops.matmul(
+                inputs, keras.ops.transpose(self.embeddings)
+            )
+        return super().call(inputs)
+
+    def compute_output_spec(self, inputs, reverse=False):
+        if reverse:
+            return keras.KerasTensor(
+                (*inputs.shape[:-1], self.input_dim), dtype=self.compute_dtype
+            )
+        return super().compute_output_spec(inputs)
+
+
 class Tied(custom_fit.TrainStepMixin, keras.Model):
     """Records the dtype of the predictions its step computes the loss on."""
 
@@ -414,7 +432,7 @@ class ModelCallTest(testing.TestCase):
         keras.mixed_precision.set_global_policy("mixed_bfloat16")
         try:
             ids = keras.Input((5,), dtype="int32")
-            embedding = keras.layers.ReversibleEmbedding(11, 4)
+            embedding = TiedEmbedding(11, 4)
             logits = embedding(
                 keras.layers.Dense(4)(embedding(ids)), reverse=True
             )

@@ -3,7 +3,7 @@
 A keras-hub GPT-2 backbone built from its constructor (no download; by
 default 6 layers, hidden 768, 12 heads, the GPT-2 vocabulary of 50,257
 tokens, sequences of 256 tokens, batch 16), its logits from the tied token
-embedding (projected in bfloat16, see `child`), trained with `fit` under
+embedding (projected in bfloat16, see `build_model`), trained with `fit` under
 the `mixed_bfloat16` policy on synthetic token ids. Every backend in
 `--backends` (JAX and PyTorch by default) runs in a child process of its
 own (`KERAS_BACKEND` is fixed at import); each configuration is built,
@@ -119,61 +119,73 @@ class _Clock:
         self.last = 0
 
 
-def child(size, names, steps, rounds, warmup):
-    """Measures the configurations on this process's backend."""
-    import keras
-    import keras_hub
+def batches(size, steps):
+    """Returns `(x, y, batch_size)`: `steps` batches of synthetic tokens."""
     import numpy as np
 
-    import custom_fit
-
-    backend = keras.backend.backend()
-    layers, heads, hidden, intermediate, vocabulary, length, batch = SIZES[size]
-    keras.config.set_dtype_policy("mixed_bfloat16")
+    _, _, _, _, vocabulary, length, batch = SIZES[size]
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, vocabulary, (batch * steps, length + 1))
     x = {
         "token_ids": tokens[:, :-1].astype("int32"),
         "padding_mask": np.ones((batch * steps, length), "int32"),
     }
-    y = tokens[:, 1:].astype("int32")
+    return x, tokens[:, 1:].astype("int32"), batch
 
-    def build(name):
-        mixins, mixin_options, optimizer_options = _options(name)
-        keras.utils.set_random_seed(0)
-        backbone = keras_hub.models.GPT2Backbone(
-            vocabulary_size=vocabulary,
-            num_layers=layers,
-            num_heads=heads,
-            hidden_dim=hidden,
-            intermediate_dim=intermediate,
-            max_sequence_length=length,
-        )
-        inputs = {
-            "token_ids": keras.Input(
-                (length,), dtype="int32", name="token_ids"
-            ),
-            "padding_mask": keras.Input(
-                (length,), dtype="int32", name="padding_mask"
-            ),
-        }
-        # Keras' JAX trainer calls `model.call` itself, so the model's own
-        # autocast scope is never entered and the tied embedding (an
-        # `Embedding`, `autocast=False`) casts its weights to bfloat16
-        # when the top model calls it; custom_fit calls the model as
-        # Keras' TensorFlow and PyTorch trainers do, and there the
-        # projection runs in float32 (3 of the 16 ms of a step on an
-        # H200). A `reverse_dtype` makes every run compute the same thing.
+
+def build_model(size, name, projection="bfloat16", steps_per_execution=1):
+    """Returns the compiled GPT-2 of configuration `name`.
+
+    Keras' JAX trainer calls `model.call` itself, so the model's own
+    autocast scope is never entered and the tied embedding (an
+    `Embedding`, `autocast=False`) casts its weights to bfloat16 when the
+    top model calls it; custom_fit calls the model as Keras' TensorFlow and
+    PyTorch trainers do, and there the projection runs in float32 (3 of
+    the 16 ms of a step on an H200). `projection="bfloat16"` sets the
+    embedding's `reverse_dtype`, so that every run computes the same
+    thing; `"float32"` leaves it as the call computes it.
+    """
+    import keras
+    import keras_hub
+
+    import custom_fit
+
+    layers, heads, hidden, intermediate, vocabulary, length, _ = SIZES[size]
+    mixins, mixin_options, optimizer_options = _options(name)
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=vocabulary,
+        num_layers=layers,
+        num_heads=heads,
+        hidden_dim=hidden,
+        intermediate_dim=intermediate,
+        max_sequence_length=length,
+    )
+    if projection == "bfloat16":
         backbone.token_embedding.reverse_dtype = "bfloat16"
-        logits = backbone.token_embedding(backbone(inputs), reverse=True)
-        bases = tuple(getattr(custom_fit, m) for m in mixins)
-        model_class = type(name, (*bases, keras.Model), {})
-        model = model_class(inputs, logits, **mixin_options)
-        model.compile(
-            optimizer=keras.optimizers.AdamW(1e-4, **optimizer_options),
-            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        )
-        return model
+    inputs = {
+        key: keras.Input((length,), dtype="int32", name=key)
+        for key in ("token_ids", "padding_mask")
+    }
+    logits = backbone.token_embedding(backbone(inputs), reverse=True)
+    bases = tuple(getattr(custom_fit, m) for m in mixins)
+    model_class = type(name, (*bases, keras.Model), {})
+    model = model_class(inputs, logits, **mixin_options)
+    model.compile(
+        optimizer=keras.optimizers.AdamW(1e-4, **optimizer_options),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        steps_per_execution=steps_per_execution,
+    )
+    return model
+
+
+def child(size, names, steps, rounds, warmup):
+    """Measures the configurations on this process's backend."""
+    import keras
+
+    backend = keras.backend.backend()
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    x, y, batch = batches(size, steps)
 
     times = {name: [] for name in names}
     ratios = {name: [] for name in names}
@@ -201,7 +213,7 @@ def child(size, names, steps, rounds, warmup):
     for name in names:
         try:
             start = time.perf_counter()
-            models[name] = build(name)
+            models[name] = build_model(size, name)
             models[name].fit(
                 x, y, batch_size=batch, steps_per_epoch=warmup, verbose=0
             )

@@ -18,7 +18,7 @@ On the GPT-2 of `gpu_step.py` (JAX, `mixed_bfloat16`), in one process:
   work: dispatch is asynchronous), at `steps_per_execution` 1 and 4.
 
 `--projection=float32` leaves the tied embedding's projection as Keras
-computes it when the model is called (see `gpu_step.child`).
+computes it when the model is called (see `gpu_step.build_model`).
 
     python benchmarks/gpu_step_diagnosis.py --output=diagnosis.json
     python benchmarks/gpu_step_diagnosis.py --size=tiny   # a CPU check
@@ -28,10 +28,12 @@ import glob
 import json
 import os
 import sys
+import tempfile
 import time
 import traceback
 
-_DUMP = "/tmp/custom_fit_gpu_step_dump"
+# A new folder per run: a module of an earlier run would hide this one's.
+_DUMP = tempfile.mkdtemp(prefix="custom_fit_gpu_step_dump_")
 os.environ["KERAS_BACKEND"] = "jax"
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ["XLA_FLAGS"] = (
@@ -42,10 +44,7 @@ os.environ["XLA_FLAGS"] = (
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import keras  # noqa: E402
-import keras_hub  # noqa: E402
 import numpy as np  # noqa: E402
-
-import custom_fit  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpu_step  # noqa: E402
@@ -58,49 +57,6 @@ CONFIGURATIONS = (
     "clipping_inspection",
     "guarded_stack",
 )
-
-
-def data(size):
-    layers, heads, hidden, inter, vocab, length, batch = gpu_step.SIZES[size]
-    tokens = np.random.default_rng(0).integers(
-        0, vocab, (batch * STEPS, length + 1)
-    )
-    x = {
-        "token_ids": tokens[:, :-1].astype("int32"),
-        "padding_mask": np.ones((batch * STEPS, length), "int32"),
-    }
-    return x, tokens[:, 1:].astype("int32"), batch
-
-
-def build(size, name, projection, steps_per_execution=1):
-    layers, heads, hidden, inter, vocab, length, _ = gpu_step.SIZES[size]
-    mixins, mixin_options, optimizer_options = gpu_step._options(name)
-    keras.utils.set_random_seed(0)
-    backbone = keras_hub.models.GPT2Backbone(
-        vocabulary_size=vocab,
-        num_layers=layers,
-        num_heads=heads,
-        hidden_dim=hidden,
-        intermediate_dim=inter,
-        max_sequence_length=length,
-    )
-    if projection == "bfloat16":
-        backbone.token_embedding.reverse_dtype = "bfloat16"
-    inputs = {
-        key: keras.Input((length,), dtype="int32", name=key)
-        for key in ("token_ids", "padding_mask")
-    }
-    logits = backbone.token_embedding(backbone(inputs), reverse=True)
-    bases = tuple(getattr(custom_fit, m) for m in mixins)
-    model = type(name, (*bases, keras.Model), {})(
-        inputs, logits, **mixin_options
-    )
-    model.compile(
-        optimizer=keras.optimizers.AdamW(1e-4, **optimizer_options),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        steps_per_execution=steps_per_execution,
-    )
-    return model
 
 
 def micro_us(shapes):
@@ -217,7 +173,7 @@ def main(argv):
     size = flags.get("size", "gpt2_6l")
     projection = flags.get("projection", "bfloat16")
     keras.config.set_dtype_policy("mixed_bfloat16")
-    x, y, batch = data(size)
+    x, y, batch = gpu_step.batches(size, STEPS)
     result = {
         "device": str(jax.devices()[0].device_kind),
         "size": size,
@@ -233,7 +189,7 @@ def main(argv):
     models = {}
     for name in CONFIGURATIONS:
         before = set(glob.glob(_DUMP + "/*"))
-        models[name, 1] = build(size, name, projection)
+        models[name, 1] = gpu_step.build_model(size, name, projection)
         models[name, 1].fit(
             x, y, batch_size=batch, steps_per_epoch=2, verbose=0
         )
@@ -246,7 +202,7 @@ def main(argv):
     result["micro_us"] = micro_us(shapes)
     save()
     for name in ("keras", "TrainStepMixin", "clipping_inspection"):
-        models[name, 4] = build(size, name, projection, 4)
+        models[name, 4] = gpu_step.build_model(size, name, projection, 4)
         models[name, 4].fit(
             x, y, batch_size=batch, steps_per_epoch=8, verbose=0
         )

@@ -35,6 +35,28 @@ def assign_owners(
             owners.setdefault(id(variable), path)
 
 
+def group_names(model: Any, depth: int) -> list[str]:
+    """Returns the name of every group of `model`, frozen layers included.
+
+    The entries of `model.layers` and, with `depth` above 1, the layers
+    nested in them down to `depth` levels (`"encoder/dense_1"`): the names
+    `layer_names` gives a variable, whether or not the layer trains now.
+
+    Args:
+        model: The model (or a layer that has `layers`).
+        depth: Integer, the `layer_depth` option.
+    """
+    names = []
+    for layer in model.layers:
+        names.append(layer.name)
+        if depth > 1 and getattr(layer, "layers", None):
+            names += [
+                f"{layer.name}/{inner}"
+                for inner in group_names(layer, depth - 1)
+            ]
+    return names
+
+
 def _names_within(model: Any, depth: int) -> tuple:
     """Returns the names the group names are made of.
 

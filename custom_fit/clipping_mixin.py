@@ -4,6 +4,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from custom_fit import _figures
+from custom_fit import _layer_groups
 from custom_fit import _options
 from custom_fit import _validation
 from custom_fit import clipping
@@ -55,7 +56,9 @@ class GradientClippingMixin(TrainStepMixin):
             clipping. Defaults to `1e-3`.
         clip_layers: List of layer names, or `None`. Only the gradients of
             these entries of `model.layers` are clipped (and only they
-            count towards the global norm). Defaults to all layers.
+            count towards the global norm). Defaults to all layers. A
+            frozen layer may be named (it may train again later), but not
+            only frozen ones: that would clip nothing, and `fit` refuses it.
         no_clip_layers: List of layer names, or `None`. The gradients of
             these layers are never clipped. Exclusive with `clip_layers`.
 
@@ -152,6 +155,27 @@ class GradientClippingMixin(TrainStepMixin):
         if self.layers:
             self._check_selected_layers()
 
+    def fit(self, *args: Any, **kwargs: Any) -> Any:
+        """Trains the model: `keras.Model.fit`, with the same arguments.
+
+        Before the first step it checks `clip_layers` and `no_clip_layers`
+        against the layers as they are now (one frozen since the model was
+        made may leave `clip_layers` nothing to clip), so that a refused
+        selection stops `fit` before the model changes.
+
+        Returns:
+            A `History` object, as `keras.Model.fit` returns.
+
+        Raises:
+            ValueError: For a selection that names no layer of the model,
+                or whose layers hold no trainable variable.
+        """
+        selection = (self.clip_layers, self.no_clip_layers)
+        if self.built and selection != (None, None):
+            owners = self.layer_names_of(self.trainable_variables)
+            self._check_selected_layers(own_variables=self.name in owners)
+        return super().fit(*args, **kwargs)
+
     def transform_gradients(
         self, gradients: Gradients, variables: Sequence[Variable]
     ) -> Gradients:
@@ -237,13 +261,14 @@ class GradientClippingMixin(TrainStepMixin):
     def _check_selected_layers(self, own_variables: bool = False) -> None:
         """Raises if `clip_layers` or `no_clip_layers` names a missing layer.
 
-        The model's own name selects the variables the model itself owns
-        (not a layer's); it is accepted only when there are such variables.
+        A frozen layer is not missing: its name is accepted, as the layer
+        may train again later. The model's own name selects the variables
+        the model itself owns (not a layer's); it is accepted only when
+        there are such variables. A `clip_layers` whose layers hold no
+        trainable variable at all (every one frozen) would clip nothing,
+        and is refused too.
         """
-        known = [layer.name for layer in self.layers]
-        if self.layer_depth > 1 and self.built:
-            groups = self.layer_names_of(self.trainable_variables)
-            known += [group for group in dict.fromkeys(groups) if "/" in group]
+        known = _layer_groups.group_names(self, self.layer_depth)
         accepted = known + [self.name] if own_variables else known
         for argument in ("clip_layers", "no_clip_layers"):
             names = getattr(self, argument)
@@ -254,6 +279,18 @@ class GradientClippingMixin(TrainStepMixin):
                     f"have: {unknown}. Received: {argument}={list(names)}. "
                     f"Use names from `model.layers`: {known}."
                 )
+        if self.clip_layers is None or not self.built:
+            return
+        groups = self.layer_names_of(self.trainable_variables)
+        if groups and not any(self._is_clipped(group) for group in groups):
+            raise ValueError(
+                "`clip_layers` selects no trainable variable: the layers it "
+                "names have none (frozen, or without weights), so nothing "
+                f"would be clipped. Received: clip_layers="
+                f"{list(self.clip_layers)}; the layers that train: "
+                f"{list(dict.fromkeys(groups))}. Name one of those, or pass "
+                "`clip_layers=None` while the named layers are frozen."
+            )
 
 
 def _within(group: str, name: str) -> bool:

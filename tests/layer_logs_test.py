@@ -382,6 +382,61 @@ class LayerDepthTest(testing.TestCase):
         oracle_steps(oracle, x, y, 8, NESTED_LAYERS, clip=clip)
         self.assertWeightsClose(model, oracle, atol=2e-6)
 
+    def test_clip_layers_may_name_a_frozen_nested_layer(self):
+        """A frozen layer named in clip_layers is accepted, the rest clipped.
+
+        Fine-tuning freezes part of an encoder; the selection names the
+        layer still, and the layers that train are clipped as named.
+        """
+        x, y = testing.classification_data()
+        bound = 0.1
+        model = nested_model(
+            Clipped,
+            layer_clipnorm=bound,
+            layer_depth=2,
+            clip_layers=["encoder/d1", "encoder/d2"],
+        )
+        model.get_layer("encoder").get_layer("d2").trainable = False
+        fit(compiled(model), x, y)
+
+        def clip(grads):
+            scale = bound / max(norm(grads[:2]), bound)
+            return [g * scale for g in grads[:2]] + list(grads[2:])
+
+        oracle = nested_model()
+        oracle.get_layer("encoder").get_layer("d2").trainable = False
+        oracle_steps(
+            oracle, x, y, 8, {"encoder/d1": [0, 1], "head": [2, 3]}, clip=clip
+        )
+        self.assertWeightsClose(model, oracle, atol=2e-6)
+
+    def test_clip_layers_that_name_only_frozen_layers_are_refused(self):
+        """Clipping only frozen layers would clip nothing: refused by name."""
+        x, y = testing.classification_data()
+        model = nested_model(
+            Clipped, layer_clipnorm=0.1, layer_depth=2, clip_layers=["encoder"]
+        )
+        model.get_layer("encoder").trainable = False
+        compiled(model)
+        before = model.get_weights()
+        with self.assertRaisesRegex(
+            ValueError,
+            r"`clip_layers` selects no trainable variable.*"
+            r"clip_layers=\['encoder'\]; the layers that train: \['head'\]",
+        ):
+            fit(model, x, y)
+        self.assertEqual(testing.max_difference(model.get_weights(), before), 0)
+        # Known when the model is made, as a misspelled name is.
+        frozen = nested_model()
+        frozen.get_layer("head").trainable = False
+        with self.assertRaisesRegex(ValueError, r"clip_layers=\['head'\]"):
+            Clipped(
+                frozen.inputs,
+                frozen.outputs,
+                clipnorm=1.0,
+                clip_layers=["head"],
+            )
+
     def test_layer_depth_without_inspection_or_layer_clipping_is_refused(
         self,
     ):

@@ -228,6 +228,47 @@ class JaxStepTest(testing.TestCase):
         self.assertLen(traced, 2)
 
 
+    def test_discovery_does_not_trace_the_backward_pass(self):
+        """The abstract discovery trace makes state; it leaves out the
+        backward pass (which makes none): a first `fit` traces the
+        gradient of a layer once, in `jax.jit`'s trace, not twice."""
+        import jax
+
+        backward_traces = []
+
+        @jax.custom_vjp
+        def scaled(x):
+            return 2.0 * x
+
+        def scaled_forward(x):
+            return 2.0 * x, None
+
+        def scaled_backward(_, cotangent):
+            backward_traces.append(1)
+            return (2.0 * cotangent,)
+
+        scaled.defvjp(scaled_forward, scaled_backward)
+
+        class Doubling(keras.layers.Layer):
+            def call(self, x):
+                return scaled(x)
+
+        x, y = testing.classification_data(samples=32)
+        inputs = keras.Input((x.shape[1],))
+        hidden = Doubling()(keras.layers.Dense(8)(inputs))
+        model = Net(
+            inputs,
+            keras.layers.Dense(3)(hidden),
+            skip_nonfinite=True,
+            global_clipnorm=1.0,
+        )
+        model.compile(
+            optimizer="sgd", loss=testing.sparse_crossentropy(), jit_compile=True
+        )
+        model.fit(x, y, batch_size=16, epochs=2, verbose=0)
+        self.assertLen(backward_traces, 1)
+
+
 def data_parallel():
     """Returns a DataParallel layout over every (host) device."""
     import jax

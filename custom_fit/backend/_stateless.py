@@ -268,6 +268,19 @@ class Latest:
         return self.state[where[0]][where[1]]
 
 
+# Set while `StepFunction.discover` traces a step for its state (per thread).
+_DISCOVERING = threading.local()
+
+
+def discovering() -> bool:
+    """Whether the running trace only discovers the state a step makes.
+
+    Such a trace computes nothing that is kept: a backward pass, which
+    makes no state, can be left out of it (gradients of zeros).
+    """
+    return bool(getattr(_DISCOVERING, "active", False))
+
+
 class StepFunction:
     """A stateless trainer's train or test function, around the step.
 
@@ -416,8 +429,12 @@ class StepFunction:
         }
         for variable in [*self.extra_variables(), *self.own_variables()]:
             values.setdefault(id(variable), variable.value)
-        with entered(Scope(values, collect_losses=True)):
-            self._abstract(self._run, data)
+        _DISCOVERING.active = True
+        try:
+            with entered(Scope(values, collect_losses=True)):
+                self._abstract(self._run, data)
+        finally:
+            _DISCOVERING.active = False
         self.discovered = True
         return tuple(
             [values.get(id(v), None) if id(v) in values else v.value for v in g]

@@ -25,7 +25,8 @@ inspection figures, accumulators) must exist before the step is traced,
 since the state's structure is fixed then. So the first call of each
 function traces the step once abstractly (`jax.eval_shape`, `discover`):
 what it creates is made then, outside the compiled trace, and joins the
-state. A condition (`run_if`) is a `jax.lax.cond` over the variables its
+state. That trace leaves the backward passes out (gradients of zeros):
+they make no state, and on a large model they are half the trace. A condition (`run_if`) is a `jax.lax.cond` over the variables its
 function updates.
 
 None of this machinery but the `jax.*` calls is JAX's own: the scopes,
@@ -95,9 +96,14 @@ def value_and_grad(
         return value, (aux, updates)
 
     start = [variable.value for variable in run.variables]
-    (value, (aux, updates)), gradients = jax.value_and_grad(pure, has_aux=True)(
-        start
-    )
+    if _stateless.discovering():
+        # The backward pass makes no state: traced for nothing here.
+        value, (aux, updates) = pure(start)
+        gradients = [jax.numpy.zeros_like(v) for v in start]
+    else:
+        (value, (aux, updates)), gradients = jax.value_and_grad(
+            pure, has_aux=True
+        )(start)
     run.finish(updates, skip_variables=True)
     return value, aux, list(gradients)
 
@@ -119,6 +125,12 @@ def values_and_grads(
         return dict(losses), (aux, updates)
 
     start = [variable.value for variable in run.variables]
+    if _stateless.discovering():
+        # The backward passes make no state: traced for nothing here.
+        losses, (aux, updates) = pure(start)
+        run.finish(updates, skip_variables=True)
+        zeros = [jax.numpy.zeros_like(v) for v in start]
+        return losses, aux, {name: list(zeros) for name in losses}
     losses, vjp, (aux, updates) = jax.vjp(pure, start, has_aux=True)
     gradients = {}
     for name in losses:

@@ -227,7 +227,6 @@ class JaxStepTest(testing.TestCase):
         model.fit(x, y, batch_size=16, epochs=2, verbose=0)
         self.assertLen(traced, 2)
 
-
     def test_discovery_does_not_trace_the_backward_pass(self):
         """The abstract discovery trace makes state; it leaves out the
         backward pass (which makes none): a first `fit` traces the
@@ -263,7 +262,9 @@ class JaxStepTest(testing.TestCase):
             global_clipnorm=1.0,
         )
         model.compile(
-            optimizer="sgd", loss=testing.sparse_crossentropy(), jit_compile=True
+            optimizer="sgd",
+            loss=testing.sparse_crossentropy(),
+            jit_compile=True,
         )
         model.fit(x, y, batch_size=16, epochs=2, verbose=0)
         self.assertLen(backward_traces, 1)

@@ -143,7 +143,7 @@ def add_noise(
         gradients: List of tensors of one floating dtype.
         stddev: Float or scalar tensor, the noise's standard deviation.
         seeds: A `keras.random.SeedGenerator`, advanced by the draws (once
-            per tensor, or once for all on eager PyTorch).
+            per tensor on TensorFlow, once per dtype on JAX and PyTorch).
 
     Returns:
         The list of noisy tensors.

@@ -62,6 +62,14 @@ def add_noise(tensors: Sequence[Any], stddev: Any, seeds: Any) -> list[Any]:
     return noisy(tensors, stddev, seeds, normal)
 
 
+def dtype_groups(tensors: Sequence[Any]) -> list[list[int]]:
+    """Returns the indices of `tensors`, grouped by dtype, in order."""
+    groups: dict[Any, list[int]] = {}
+    for index, tensor in enumerate(tensors):
+        groups.setdefault(tensor.dtype, []).append(index)
+    return list(groups.values())
+
+
 def divisible_first_axis(tensor: Any, count: int, message: str) -> Any:
     """Returns `tensor`, checking that `count` divides its first axis.
 

@@ -36,6 +36,7 @@ adapter subclasses with JAX's abstract trace, compiler and placement.
 """
 
 import contextlib
+import math
 import warnings
 from collections.abc import Callable
 from collections.abc import Sequence
@@ -49,7 +50,6 @@ from jax.sharding import PartitionSpec
 from keras import ops
 
 from custom_fit.backend import _stateless
-from custom_fit.backend._dense import add_noise  # noqa: F401
 from custom_fit.backend._dense import add_to  # noqa: F401
 from custom_fit.backend._dense import all_reduce_sum  # noqa: F401
 from custom_fit.backend._dense import batch_gradients  # noqa: F401
@@ -60,9 +60,11 @@ from custom_fit.backend._dense import deduplicate  # noqa: F401
 from custom_fit.backend._dense import dense  # noqa: F401
 from custom_fit.backend._dense import dense_size  # noqa: F401
 from custom_fit.backend._dense import divisible_first_axis  # noqa: F401
+from custom_fit.backend._dense import dtype_groups as _dtype_groups
 from custom_fit.backend._dense import group_sums  # noqa: F401
 from custom_fit.backend._dense import is_sparse  # noqa: F401
 from custom_fit.backend._dense import map_values  # noqa: F401
+from custom_fit.backend._dense import normal as _normal
 from custom_fit.backend._dense import on_first_replica  # noqa: F401
 from custom_fit.backend._dense import recorded_gradients  # noqa: F401
 from custom_fit.backend._dense import reducible_logs  # noqa: F401
@@ -226,6 +228,30 @@ def intermediate_gradients(
     )
     run.finish(updates, skip_variables=False)
     return value, aux, list(gradients)
+
+
+# Noise.
+
+
+def add_noise(tensors: Sequence[Any], stddev: Any, seeds: Any) -> list[Any]:
+    """Returns `tensors` plus normal noise of `stddev`: one draw per dtype.
+
+    XLA compiles each draw's generator (threefry) on its own: one draw of
+    every entry of a dtype, split, compiles the seed MLP's DP-SGD step in
+    0.75 s where a draw per tensor took 1.7 s, and runs no slower. (On
+    TensorFlow with XLA the split draw ran slower: a draw per tensor.)
+    """
+    noisy = list(tensors)
+    for indices in _dtype_groups(noisy):
+        sizes = [math.prod(noisy[i].shape) for i in indices]
+        flat = _normal((sum(sizes),), noisy[indices[0]].dtype, seeds)
+        flat = flat * ops.cast(stddev, flat.dtype)
+        start = 0
+        for i, size in zip(indices, sizes):
+            piece = ops.reshape(flat[start : start + size], noisy[i].shape)
+            noisy[i] = noisy[i] + piece
+            start += size
+    return noisy
 
 
 # Conditional updates.

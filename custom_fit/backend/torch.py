@@ -47,6 +47,7 @@ from custom_fit.backend._dense import deduplicate  # noqa: F401
 from custom_fit.backend._dense import dense  # noqa: F401
 from custom_fit.backend._dense import dense_size  # noqa: F401
 from custom_fit.backend._dense import divisible_first_axis  # noqa: F401
+from custom_fit.backend._dense import dtype_groups as _dtype_groups
 from custom_fit.backend._dense import is_sparse  # noqa: F401
 from custom_fit.backend._dense import map_values  # noqa: F401
 from custom_fit.backend._dense import normal as _normal
@@ -428,10 +429,7 @@ def add_noise(tensors: Sequence[Any], stddev: Any, seeds: Any) -> list[Any]:
     with one `torch._foreach_add`.
     """
     noisy = list(tensors)
-    groups: dict[Any, list[int]] = {}
-    for i, tensor in enumerate(noisy):
-        groups.setdefault(tensor.dtype, []).append(i)
-    for indices in groups.values():
+    for indices in _dtype_groups(noisy):
         group = [noisy[i] for i in indices]
         sizes = [t.numel() for t in group]
         flat = _normal((sum(sizes),), group[0].dtype, seeds) * stddev

@@ -7,9 +7,12 @@ compile), and reports its peak resident memory. Workloads: the seed MLP
 784-64-64-10 at batch 64, and a keras-hub GPT-2 causal LM built from its
 constructor (4 layers, hidden 128, sequences of 64 tokens, batch 8; needs
 keras-hub). Configurations: plain Keras, `TrainStepMixin`, and clipping +
-inspection + the guard.
+inspection + the guard; `private_ghost` (DP-SGD by ghost clipping) on
+request.
 
     KERAS_BACKEND=jax python benchmarks/first_step.py --workloads=mlp,gpt2
+    KERAS_BACKEND=jax python benchmarks/first_step.py \
+        --configurations=keras,private_ghost
 """
 
 import json
@@ -24,6 +27,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
 CONFIGURATIONS = ("keras", "TrainStepMixin", "clipping_inspection_guard")
+OPTIONAL = ("private_ghost",)
 
 
 def child(workload, name):
@@ -43,6 +47,9 @@ def child(workload, name):
     ):
         pass
 
+    class Private(custom_fit.DifferentialPrivacyMixin, keras.Model):
+        pass
+
     options = {
         "keras": {},
         "TrainStepMixin": {},
@@ -51,11 +58,18 @@ def child(workload, name):
             "skip_nonfinite": True,
             "skip_gradient_norm_ratio_above": 10.0,
         },
+        "private_ghost": {
+            "l2_norm_clip": 1.0,
+            "noise_multiplier": 1.1,
+            "noise_seed": 0,
+            "clipping_method": "ghost",
+        },
     }[name]
     model_class = {
         "keras": keras.Model,
         "TrainStepMixin": StepOnly,
         "clipping_inspection_guard": Guarded,
+        "private_ghost": Private,
     }[name]
     rng = np.random.default_rng(0)
     if workload == "mlp":
@@ -89,6 +103,7 @@ def child(workload, name):
                 custom_fit.GradientClippingMixin,
                 custom_fit.GradientInspectionMixin,
             ),
+            "private_ghost": (custom_fit.DifferentialPrivacyMixin,),
         }[name]
         task_class = type("Task", (*mixins, keras_hub.models.GPT2CausalLM), {})
         model = task_class(backbone=backbone, preprocessor=None, **options)
@@ -134,11 +149,20 @@ def main():
         return
     workloads = ["mlp"]
     repeats = 3
+    names = CONFIGURATIONS
     for argument in sys.argv[1:]:
         if argument.startswith("--workloads="):
             workloads = argument.split("=", 1)[1].split(",")
         if argument.startswith("--repeats="):
             repeats = int(argument.split("=", 1)[1])
+        if argument.startswith("--configurations="):
+            names = tuple(argument.split("=", 1)[1].split(","))
+            unknown = set(names) - set(CONFIGURATIONS + OPTIONAL)
+            if unknown or names[0] != "keras":
+                raise SystemExit(
+                    "--configurations must start with keras and name only "
+                    f"{CONFIGURATIONS + OPTIONAL}. Received: {names}"
+                )
     print(
         "| workload | configuration | first fit (s) | x keras | new batch "
         "size (s) | x keras | peak RSS (MB) | x keras |"
@@ -146,7 +170,7 @@ def main():
     print("|---|---|---|---|---|---|---|---|")
     for workload in workloads:
         base = None
-        for name in CONFIGURATIONS:
+        for name in names:
             result = measure(workload, name, repeats)
             base = base or result
             print(

@@ -16,7 +16,9 @@ JSON line per configuration:
   of the compiled step (its HLO after partitioning);
 - `largest_collective`: the elements of the largest array a collective op
   of the compiled step makes (a gather of a whole sharded gradient would
-  be one).
+  be one);
+- `largest_array`: the elements of the largest float32 array of the
+  compiled step (a noise drawn whole for several weights would be one).
 
     python tests/scripts/model_parallel.py --distribution=set
 """
@@ -48,6 +50,8 @@ from benchmarks.model_parallel_memory import COLLECTIVE  # noqa: E402
 from benchmarks.model_parallel_memory import largest_array  # noqa: E402
 
 FEATURES, HIDDEN, CLASSES = 48, 160, 96  # distinct kernel shapes
+# Any float32 array of the partitioned step, by its type.
+_FLOAT_ARRAY = re.compile(r"\b(f32)\[(\d+(?:,\d+)*)\]")
 BATCH, SAMPLES, EPOCHS = 16, 64, 2
 
 
@@ -73,6 +77,12 @@ CONFIGURATIONS = {
     "privacy": (
         custom_fit.DifferentialPrivacyMixin,
         dict(l2_norm_clip=0.5, noise_multiplier=0.0),
+    ),
+    # With noise: under ModelParallel drawn per weight, in its layout
+    # (other draws than one device's, which splits one draw).
+    "privacy_noise": (
+        custom_fit.DifferentialPrivacyMixin,
+        dict(l2_norm_clip=0.5, noise_multiplier=1.0, noise_seed=0),
     ),
     "privacy_microbatches": (
         custom_fit.DifferentialPrivacyMixin,
@@ -250,6 +260,7 @@ def check(name, mode):
         state_ratio=ratios,
         full_kernels=full_kernel_shapes(hlo),
         largest_collective=largest_array(hlo, COLLECTIVE)[1],
+        largest_array=largest_array(hlo, _FLOAT_ARRAY)[1],
         weight_shardings=sorted(
             {str(v.value.sharding.spec) for v in model.trainable_variables}
         ),

@@ -171,6 +171,15 @@ class KerasModel(_ModelBase):
     def _configure_if_needed(self) -> None:
         """Configures the options where `__init__` did not (the mixin's)."""
 
+    def _check_before_fit(self) -> None:
+        """Checks, before `fit`'s first step, what the model is now.
+
+        Called by `fit` on the model and each custom_fit network in it, so
+        that a setting the model's present state refuses (a layer frozen
+        since it was made) stops `fit` before any network is updated. A
+        mixin extends it.
+        """
+
     def _keras_metrics(self) -> list[keras.metrics.Metric]:
         """Keras' own metrics of the model, without those of `report_metric`."""
         return super().metrics
@@ -261,6 +270,8 @@ class KerasModel(_ModelBase):
                 samplers that differ, or `shuffle=True` with a sampler.
         """
         self._configure_if_needed()
+        for model in _model_state.models_in(self):
+            model._check_before_fit()
         for model in _model_state.models_in(self):
             _model_state.state_of(model).guard.restart()
         _step_functions.forget_last_call(self)

@@ -61,6 +61,7 @@ class GradientClippingMixin(TrainStepMixin):
             only frozen ones: that would clip nothing, and `fit` refuses it.
         no_clip_layers: List of layer names, or `None`. The gradients of
             these layers are never clipped. Exclusive with `clip_layers`.
+            Leaving out every layer that trains is refused.
 
     Each option defaults to `None` (off); all values must be finite and
     greater than 0. A `ValueError` names the argument otherwise. If the
@@ -155,26 +156,18 @@ class GradientClippingMixin(TrainStepMixin):
         if self.layers:
             self._check_selected_layers()
 
-    def fit(self, *args: Any, **kwargs: Any) -> Any:
-        """Trains the model: `keras.Model.fit`, with the same arguments.
+    def _check_before_fit(self) -> None:
+        """Checks `clip_layers` and `no_clip_layers` against the layers now.
 
-        Before the first step it checks `clip_layers` and `no_clip_layers`
-        against the layers as they are now (one frozen since the model was
-        made may leave `clip_layers` nothing to clip), so that a refused
-        selection stops `fit` before the model changes.
-
-        Returns:
-            A `History` object, as `keras.Model.fit` returns.
-
-        Raises:
-            ValueError: For a selection that names no layer of the model,
-                or whose layers hold no trainable variable.
+        A layer frozen since the model was made may leave `clip_layers`
+        nothing to clip: refused when `fit` starts, before any update (of
+        this network or of another in the same step).
         """
+        super()._check_before_fit()
         selection = (self.clip_layers, self.no_clip_layers)
         if self.built and selection != (None, None):
             owners = self.layer_names_of(self.trainable_variables)
             self._check_selected_layers(own_variables=self.name in owners)
-        return super().fit(*args, **kwargs)
 
     def transform_gradients(
         self, gradients: Gradients, variables: Sequence[Variable]
@@ -264,9 +257,10 @@ class GradientClippingMixin(TrainStepMixin):
         A frozen layer is not missing: its name is accepted, as the layer
         may train again later. The model's own name selects the variables
         the model itself owns (not a layer's); it is accepted only when
-        there are such variables. A `clip_layers` whose layers hold no
-        trainable variable at all (every one frozen) would clip nothing,
-        and is refused too.
+        there are such variables. A selection that leaves no trainable
+        variable to clip (`clip_layers` naming frozen layers only,
+        `no_clip_layers` every layer that trains) would clip nothing, and
+        is refused too.
         """
         known = _layer_groups.group_names(self, self.layer_depth)
         accepted = known + [self.name] if own_variables else known
@@ -279,18 +273,30 @@ class GradientClippingMixin(TrainStepMixin):
                     f"have: {unknown}. Received: {argument}={list(names)}. "
                     f"Use names from `model.layers`: {known}."
                 )
-        if self.clip_layers is None or not self.built:
+        if not self.built or (self.clip_layers, self.no_clip_layers) == (
+            None,
+            None,
+        ):
             return
         groups = self.layer_names_of(self.trainable_variables)
-        if groups and not any(self._is_clipped(group) for group in groups):
+        if not groups or any(self._is_clipped(group) for group in groups):
+            return
+        training = list(dict.fromkeys(groups))
+        if self.clip_layers is not None:
             raise ValueError(
                 "`clip_layers` selects no trainable variable: the layers it "
                 "names have none (frozen, or without weights), so nothing "
                 f"would be clipped. Received: clip_layers="
                 f"{list(self.clip_layers)}; the layers that train: "
-                f"{list(dict.fromkeys(groups))}. Name one of those, or pass "
+                f"{training}. Name one of those, or pass "
                 "`clip_layers=None` while the named layers are frozen."
             )
+        raise ValueError(
+            "`no_clip_layers` leaves out every layer that trains, so nothing "
+            "would be clipped. Received: no_clip_layers="
+            f"{list(self.no_clip_layers or ())}; the layers that train: "
+            f"{training}. Leave one of those in, or turn clipping off."
+        )
 
 
 def _within(group: str, name: str) -> bool:

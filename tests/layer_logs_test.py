@@ -426,6 +426,19 @@ class LayerDepthTest(testing.TestCase):
         ):
             fit(model, x, y)
         self.assertEqual(testing.max_difference(model.get_weights(), before), 0)
+        # Leaving out every layer that trains clips nothing either.
+        leaves_out = nested_model(
+            Clipped,
+            layer_clipnorm=0.1,
+            layer_depth=2,
+            no_clip_layers=["encoder/d1", "head"],
+        )
+        leaves_out.get_layer("encoder").get_layer("d2").trainable = False
+        compiled(leaves_out)
+        with self.assertRaisesRegex(
+            ValueError, r"`no_clip_layers` leaves out every layer that trains"
+        ):
+            fit(leaves_out, x, y)
         # Known when the model is made, as a misspelled name is.
         frozen = nested_model()
         frozen.get_layer("head").trainable = False

@@ -267,11 +267,6 @@ class CollectedReportsTest(testing.TestCase):
         )
         self.assertAllClose(history.history["scale"], [1.0])
 
-    @pytest.mark.skipif(
-        testing.BACKEND == "jax",
-        reason="Keras' JAX trainer leaves a model whose training step raised "
-        "without its variables' values (a plain keras.Model too)",
-    )
     def test_a_step_that_raised_holds_no_later_report(self):
         """After a guarded step raised before its verdict, `evaluate` logs
         its reports (the batch mean, 3.0), none held for a verdict."""

@@ -269,6 +269,47 @@ class TrainStepParityTest(testing.TestCase):
         self.assertAllClose(results[1], results[0], rtol=1e-6)
         self.assertAllClose(results[1][0], results[1][1], rtol=1e-6)
 
+    @parameterized.named_parameters(*testing.EXECUTION_MODES)
+    def test_a_step_that_raises_keeps_the_weights(self, mode):
+        """A hook that raises when the step first runs (a refusal found
+        at trace time) leaves the weights as they were, readable, and the
+        next `fit` trains them as a fresh model's would.
+
+        On JAX, Keras' trainer takes the variables' values out for the
+        call; custom_fit puts them back (the oracle: a model that never
+        raised)."""
+
+        class Refusing(custom_fit.TrainStepMixin, keras.Model):
+            refuse = True
+
+            def transform_gradients(self, gradients, variables):
+                if self.refuse:
+                    raise ValueError("refused at the first step")
+                return super().transform_gradients(gradients, variables)
+
+        x, y = testing.classification_data(samples=32)
+        fit = dict(batch_size=16, shuffle=False, verbose=0)
+        models, start = [], None
+        for refuse in (True, False):
+            model = testing.mlp(Refusing)
+            model.refuse = refuse
+            model.compile(
+                optimizer="sgd", loss=testing.sparse_crossentropy(), **mode
+            )
+            if start is None:
+                start = [np.array(w) for w in model.get_weights()]
+            model.set_weights(start)
+            if refuse:
+                with self.assertRaisesRegex(ValueError, "refused at the"):
+                    model.fit(x, y, **fit)
+                self.assertEqual(
+                    testing.max_difference(model.get_weights(), start), 0
+                )
+                model.refuse = False
+            model.fit(x, y, epochs=2, **fit)
+            models.append(model)
+        self.assertWeightsClose(models[0], models[1], atol=1e-6)
+
     def test_no_trainable_weights_warns_like_keras(self):
         """A frozen model warns and still reports its loss."""
         model = testing.mlp(Net)

@@ -302,6 +302,8 @@ class StepFunction:
         self.discovered = False
         self.step: Any = None  # compiled at the first call
         self._layout: Layout | None = None
+        # The latest state of a running call, put back if it raises.
+        self._held: tuple | None = None
         self._own: tuple[int, list[Any]] | None = None
 
     def groups(self) -> list[list[Any]]:
@@ -475,12 +477,35 @@ class StepFunction:
         return values
 
     def __call__(self, state: tuple, iterator: Any) -> tuple[Any, tuple]:
+        # Keras' trainer took the variables' values out for the call (JAX
+        # frees them): a step that raises (a refusal found when it is
+        # traced, a user's hook) puts back the latest state it holds, so
+        # that the model keeps its weights.
+        self._held = state
+        try:
+            return self._call(state, iterator)
+        except BaseException:
+            self._put_back(self._held)
+            raise
+        finally:
+            self._held = None
+
+    def _put_back(self, state: tuple) -> None:
+        """Writes `state` into the variables (those it still holds)."""
+        for variables, values in zip(self.groups(), state):
+            for variable, value in zip(variables, values):
+                try:
+                    variable.assign(value)
+                except Exception:  # noqa: BLE001  (a value given away)
+                    pass
+
+    def _call(self, state: tuple, iterator: Any) -> tuple[Any, tuple]:
         iterator = iter(iterator)
         data = next(iterator)
         if not self.discovered and not self.eager():
             # Op by op, the first step makes its state itself (`_stateless`):
             # an abstract trace would show a user's hooks tracers.
-            state = self.discover(state, data)
+            state = self._held = self.discover(state, data)
         extras = [variable.value for variable in self.extra_variables()]
         own_variables = self.own_variables()
         own = self.own_values(own_variables)
@@ -488,13 +513,16 @@ class StepFunction:
             self.step = self._compiled(state, own)
             # As the step will return it, so that it compiles once.
             state, own = self._placed(state, own)
+            self._held = state
         logs, state, own, scalars = self.step(state, own, data, extras)
+        self._held = state
         for _ in range(self.model.steps_per_execution - 1):
             try:
                 data = next(iterator)
             except StopIteration:
                 break
             logs, state, own, scalars = self.step(state, own, data, extras)
+            self._held = state
         layout = self._layout
         sizes = [*(len(g) for g in state), len(own)]
         if layout is None or layout.sizes != sizes:

@@ -95,6 +95,12 @@ def oracle_steps(model, x, y, steps, layers, clip=None):
     return figures
 
 
+def first_layer_clipped(grads, bound):
+    """The first layer's kernel and bias clipped to `bound` together."""
+    scale = bound / max(norm(grads[:2]), bound)
+    return [g * scale for g in grads[:2]] + list(grads[2:])
+
+
 def epoch_means(figures, key, epochs=2):
     return [
         np.mean(
@@ -374,12 +380,15 @@ class LayerDepthTest(testing.TestCase):
         )
         fit(compiled(model), x, y)
 
-        def clip(grads):
-            scale = bound / max(norm(grads[:2]), bound)
-            return [g * scale for g in grads[:2]] + list(grads[2:])
-
         oracle = nested_model()
-        oracle_steps(oracle, x, y, 8, NESTED_LAYERS, clip=clip)
+        oracle_steps(
+            oracle,
+            x,
+            y,
+            8,
+            NESTED_LAYERS,
+            clip=lambda g: first_layer_clipped(g, bound),
+        )
         self.assertWeightsClose(model, oracle, atol=2e-6)
 
     def test_clip_layers_may_name_a_frozen_nested_layer(self):
@@ -399,14 +408,15 @@ class LayerDepthTest(testing.TestCase):
         model.get_layer("encoder").get_layer("d2").trainable = False
         fit(compiled(model), x, y)
 
-        def clip(grads):
-            scale = bound / max(norm(grads[:2]), bound)
-            return [g * scale for g in grads[:2]] + list(grads[2:])
-
         oracle = nested_model()
         oracle.get_layer("encoder").get_layer("d2").trainable = False
         oracle_steps(
-            oracle, x, y, 8, {"encoder/d1": [0, 1], "head": [2, 3]}, clip=clip
+            oracle,
+            x,
+            y,
+            8,
+            {"encoder/d1": [0, 1], "head": [2, 3]},
+            clip=lambda g: first_layer_clipped(g, bound),
         )
         self.assertWeightsClose(model, oracle, atol=2e-6)
 

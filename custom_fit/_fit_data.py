@@ -121,7 +121,9 @@ def shared_sampler(x: Any) -> bool:
 # What the processes compare before the first step, in a fixed order (every
 # process gathers as many values, whatever its data).
 _COUNTS = ("training", "validation", "evaluation")
-_SAMPLER_FIGURES = ("data", "num_examples", "seed", "batch_size", "epoch")
+_SAMPLER_FIGURES = ("data", "num_examples", "stream", "batch_size", "epoch")
+# The chunks of a sampler's seed (`PoissonSampler.seed_chunks`).
+_SEED_CHUNKS = 5
 
 
 def check_processes_agree(
@@ -154,7 +156,21 @@ def check_processes_agree(
     figures = x.shared_figures() if sampler else {}
     slots = [int(sampler), int(sampler and shuffled)]
     slots += [int(figures.get(n, 0)) for n in _SAMPLER_FIGURES]
-    gathered = backend.current().gather_from_processes(values + slots)
+    seed = x.seed_chunks() if sampler else [0] * _SEED_CHUNKS
+    given = int(sampler and x.seed_given)
+    gathered = backend.current().gather_from_processes(
+        values + slots + [given, *seed]
+    )
+    given_at = len(values) + len(slots)
+    if sampler and not given:
+        # A secret seed: process 0's in every process.
+        first = [int(c) for c in gathered[0, given_at + 1 :]]
+        x.adopt_seed(first)
+    # Each process' seed: its own where given, else process 0's.
+    seeds = {
+        tuple((row if row[given_at] else gathered[0])[given_at + 1 :])
+        for row in gathered
+    }
     for i, name in enumerate(_COUNTS):
         least, most = int(gathered[:, i].min()), int(gathered[:, i].max())
         if least != most:
@@ -178,10 +194,16 @@ def check_processes_agree(
             f"{processes} processes. Leave shuffle out, or pass "
             "shuffle=False."
         )
-    for j, name in enumerate(_SAMPLER_FIGURES):
-        column = gathered[:, offset + 2 + j]
-        if column.min() == column.max():
-            continue
+    columns = gathered[:, offset + 2 : offset + 2 + len(_SAMPLER_FIGURES)]
+    differing = [
+        name
+        for j, name in enumerate(_SAMPLER_FIGURES)
+        if columns[:, j].min() != columns[:, j].max()
+    ]
+    if len(seeds) > 1:
+        differing.insert(0, "seed")
+        figures["seed"] = "given" if given else "secret"
+    for name in differing:
         differs = (
             "data (each process holds its own?)"
             if name in ("data", "num_examples")
@@ -192,9 +214,9 @@ def check_processes_agree(
             "takes its share of the same draw at every step. Received: "
             f"samplers whose {differs} differ across {processes} processes "
             f"({name} in this process: {figures[name]}). Pass every process "
-            "the whole data set, the same batch_size and the same seed (not "
-            "None, which draws one per process), and fit it as often in "
-            "every process."
+            "the whole data set, the same batch_size and the same seed (or "
+            "none in every process: fit hands process 0's secret seed to "
+            "the others), and fit it as often in every process."
         )
 
 

@@ -396,13 +396,14 @@ class KerasModel(_ModelBase):
 
         Returns:
             A dict: the Keras model config, updated with one entry per mixin
-            keyword (the constructor argument names).
+            keyword (the constructor argument names), except the secret ones
+            (`Option(saved=False)`, such as `noise_seed`).
         """
         config = super().get_config()
         config.update(
             {
                 name: _options.to_config(getattr(self, name))
-                for name in _options.declared_options(type(self))
+                for name in _options.saved_options(type(self))
             }
         )
         return config

@@ -52,8 +52,10 @@ class ModelState:
         # PCGradMixin: the generator and the last order of the tasks.
         self.pcgrad_seeds: Any = None
         self.pcgrad_order: Any = None
-        # DifferentialPrivacyMixin: the generator of the noise.
+        # DifferentialPrivacyMixin: the generator of the noise, and whether
+        # a fit of this model object has drawn from it.
         self.dp_seeds: Any = None
+        self.dp_noise_drawn = False
         # Why ghost clipping turned out impossible at a step ("": it did
         # not), found in the traced pass (a loss added in a layer's call).
         self.dp_ghost_blocker = ""

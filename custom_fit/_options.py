@@ -82,6 +82,9 @@ class Option:
         or_capability: String. A class attribute that, when true on the
             model's class, satisfies `requires` too (a mixin that always
             uses the option, such as inspection for `layer_depth`).
+        saved: Bool. Whether `get_config()` (and so `.keras` files and
+            clones) keeps the value. `False` for a secret, such as a noise
+            seed: a rebuilt model then takes the default.
 
     Example:
 
@@ -104,8 +107,10 @@ class Option:
         bound: bool = False,
         kind: str = "",
         or_capability: str = "",
+        saved: bool = True,
     ) -> None:
         self.default = default
+        self.saved = saved
         self.validate = validate or _any_value
         self.requires = _names("requires", requires)
         self.excludes = _names("excludes", excludes)
@@ -604,6 +609,11 @@ def _is_set(value: Any) -> bool:
 def _owner_of_init(cls: type) -> type:
     """Returns the class of the MRO whose `__init__` `cls` uses."""
     return next(klass for klass in cls.__mro__ if "__init__" in vars(klass))
+
+
+def saved_options(cls: type) -> list[str]:
+    """Returns the names of the options of `cls` that `get_config` keeps."""
+    return [name for name, option in _declared(cls) if option.saved]
 
 
 def to_config(value: Any) -> Any:

@@ -18,6 +18,7 @@ from keras import ops
 
 from custom_fit import _gradient_ops
 from custom_fit import _state
+from custom_fit import backend
 from custom_fit._types import Gradient
 from custom_fit._types import Gradients
 from custom_fit._types import Tensor
@@ -111,3 +112,21 @@ class GradientAccumulator:
             new_count = ops.where(frozen, count, new_count)
         self.count.assign(new_count)
         return means, is_update
+
+    def pending(self, model: object) -> int:
+        """Returns the micro-batches summed since the last update (host).
+
+        Args:
+            model: The model whose step keeps the sums (its latest state
+                is read, as `backend.host_value` reads it).
+        """
+        return int(backend.current().host_value(model, self.count))
+
+    def restart(self) -> None:
+        """Drops the sums of a window that no update closed.
+
+        Called between `fit`s, outside the step.
+        """
+        self.count.assign(ops.zeros_like(self.count))
+        for running_sum in self.sums:
+            running_sum.assign(ops.zeros_like(running_sum))

@@ -19,6 +19,7 @@ epsilon = custom_fit.privacy.epsilon(
 """
 
 import contextlib
+import hashlib
 import logging
 import math
 from collections.abc import Iterator
@@ -149,6 +150,27 @@ def add_noise(
         The list of noisy tensors.
     """
     return backend.current().add_noise(list(gradients), stddev, seeds)
+
+
+def stream_key(seed: int, updates: int) -> int:
+    """Returns the seed of a run that continues after `updates` updates.
+
+    A generator seeded with a given `noise_seed`, made anew for a run that
+    continues an earlier one, takes this seed instead, so that it draws
+    none of the earlier run's noise again (the earlier run's streams start
+    from `seed` itself).
+
+    Args:
+        seed: Integer >= 0, the given seed.
+        updates: Integer >= 1, the updates the model had made.
+
+    Returns:
+        An integer in `[0, 2**31)`.
+    """
+    digest = hashlib.blake2b(
+        f"{seed}:{updates}".encode(), digest_size=4
+    ).digest()
+    return int.from_bytes(digest, "little") % (2**31 - 1)
 
 
 def epsilon(

@@ -136,6 +136,108 @@ def _across_processes(run: privacy.TrainingRun) -> privacy.TrainingRun:
     )
 
 
+def _check_windows(arguments: dict[str, Any], accumulation: int) -> None:
+    """Refuses accumulation windows in which an example could count twice.
+
+    With `accumulation` batches per update, each update must hold one
+    Poisson draw (a sampler that serves each draw as that many batches,
+    fed in order), or batches of one shuffled pass (passes, and epochs of
+    `steps_per_epoch`, of a whole number of updates).
+
+    Raises:
+        ValueError: Naming the data's figures and the fix.
+    """
+    if accumulation == 1:
+        return
+    x = arguments.get("x")
+    per_epoch = arguments.get("steps_per_epoch")
+    sampling = getattr(x, "sampling", None)
+    name = f"gradient_accumulation_steps={accumulation}"
+    if sampling == "poisson":
+        split = getattr(x, "gradient_accumulation_steps", 1)
+        if split != accumulation:
+            raise ValueError(
+                f"With {name}, an update's {accumulation} batches must be "
+                "one Poisson draw, as the accountant counts it (one draw at "
+                f"{accumulation} times the rate): {accumulation} draws of "
+                "their own could put an example in one update up to "
+                f"{accumulation} times. Received: a {type(x).__name__} that "
+                f"serves each draw as {split} batch(es). Pass {name} to the "
+                "sampler too: PoissonSampler(x, y, batch_size=..., "
+                f"{name})."
+            )
+        if arguments.get("shuffle"):
+            raise ValueError(
+                f"With {name}, the batches of one draw must reach the step "
+                "in their order, one update's after another; shuffled, an "
+                "update would mix parts of several draws, in which an "
+                "example could count twice. Received: shuffle=True. Leave "
+                "shuffle out (the draws are random already)."
+            )
+    passes = None
+    if sampling == "shuffle" and hasattr(x, "__len__"):
+        passes = len(x)  # type: ignore[arg-type]
+    elif _fit_data.is_arrays(x):
+        examples = _fit_data.array_examples(
+            x, arguments.get("validation_split")
+        )
+        passes = _fit_data.array_batches(examples, arguments.get("batch_size"))[
+            1
+        ]
+    for what, count in (
+        ("batches in a pass over the data", passes),
+        ("steps_per_epoch", per_epoch),
+    ):
+        if count is not None and count % accumulation:
+            raise ValueError(
+                f"With {name}, every update's window must lie in one pass "
+                "over the shuffled data: a window that runs on into the next "
+                "pass (or epoch) can hold an example twice, and the "
+                "accountant counts one. Received: "
+                f"{count} {what}, which {accumulation} does not divide. "
+                "Pick a batch_size (or steps_per_epoch) that makes it a "
+                f"multiple of {accumulation}."
+            )
+
+
+class _ResumedRun(keras.callbacks.Callback):
+    """Keeps a run that continues an earlier one from replaying it.
+
+    Runs after the user's callbacks, once `BackupAndRestore` has restored
+    the model. A model with updates (loaded, or restored), whose generator
+    from a given `noise_seed` has drawn nothing in this process, continues
+    a stream keyed with its update count instead of the earlier run's
+    from its start; a sampler with a given seed that has trained no epoch
+    likewise (`PoissonSampler.continue_after`). Secret seeds need nothing:
+    a new model or sampler draws a new one.
+    """
+
+    def __init__(self, model: Any, sampler: Any) -> None:
+        super().__init__()
+        self._private = model
+        self._sampler = sampler
+
+    def on_train_begin(self, logs: Any = None) -> None:
+        model = self._private
+        updates = int(ops.convert_to_numpy(model.optimizer.iterations))
+        if not updates:
+            return
+        state = _model_state.state_of(model)
+        if model.noise_seed is not None and not state.dp_noise_drawn:
+            seeds = state.dp_seeds.state
+            key = privacy.stream_key(model.noise_seed, updates)
+            seeds.assign(ops.cast([key, 0], seeds.dtype))
+            state.dp_noise_drawn = True
+        sampler = self._sampler
+        if (
+            sampler is not None
+            and getattr(sampler, "seed_given", False)
+            # Keras ends an epoch before the first one: no epoch trained.
+            and sampler.epoch <= 1
+        ):
+            sampler.continue_after(updates)
+
+
 class DifferentialPrivacyMixin(TrainStepMixin):
     """Differentially private training (DP-SGD) with `fit`.
 
@@ -280,7 +382,7 @@ class DifferentialPrivacyMixin(TrainStepMixin):
     l2_norm_clip = _options.Option(None, _clip, bound=True)
     noise_multiplier = _options.Option(None, _noise)
     num_microbatches = _options.Option(None, _validation.positive_int_or_none)
-    noise_seed = _options.Option(None, _validation.seed_or_none)
+    noise_seed = _options.Option(None, _validation.seed_or_none, saved=False)
     expected_batch_size = _options.Option(
         None, _validation.positive_float_or_none
     )
@@ -331,21 +433,41 @@ class DifferentialPrivacyMixin(TrainStepMixin):
                 "num_microbatches out, or use clipping_method='auto'."
             )
         state = _model_state.state_of(self)
-        state.dp_seeds = keras.random.SeedGenerator(self.noise_seed)
+        state.dp_seeds = backend.current().secret_seeds(self.noise_seed)
         state.holder.track(state.dp_seeds.state)
+        if self.noise_seed is not None:
+            warnings.warn(
+                f"noise_seed={self.noise_seed} makes the noise of every "
+                "update reproducible: whoever knows the seed can subtract the "
+                "noise from the released weights, and the privacy is gone. "
+                "Keep the seed as secret as the data, for tests and "
+                "reproducible runs only; leave it out for a secret seed drawn "
+                "from the operating system (it is never saved with the "
+                "model).",
+                UserWarning,
+                stacklevel=4,
+            )
 
     def fit(self, *args: Any, **kwargs: Any) -> Any:
         """Trains the model: `keras.Model.fit`, with the same arguments.
 
         Before the first step it checks that the batches are drawn as the
         model divides and accounts them: a `PoissonSampler` needs
-        `expected_batch_size` equal to its batch size, shuffled batches
-        (arrays) need it left out, and a noise from
-        `custom_fit.privacy.calibrate_noise` must see the sampling, batch
-        size and data set size it was calibrated for, and a
-        `custom_fit.callbacks.PrivacyBudget` among the callbacks must be told
-        the data set size and batch size `fit` trains with. A fit that runs
-        past the calibrated steps warns.
+        `expected_batch_size` equal to its batch size (with
+        `gradient_accumulation_steps=k`, its logical batch, and a sampler
+        that serves each draw as `k` batches), shuffled batches (arrays)
+        need it left out (and, with accumulation, passes of a whole number
+        of updates), and a noise from `custom_fit.privacy.calibrate_noise`
+        must see the sampling, batch size and data set size it was
+        calibrated for, and a `custom_fit.callbacks.PrivacyBudget` among the
+        callbacks must be told the data set size and batch size `fit`
+        trains with. A fit that runs past the calibrated steps warns. Over
+        several processes the noise's secret seed is process 0's. An
+        update's window that an earlier `fit` left open is dropped (with a
+        warning): its batches were never released. A run that continues
+        an earlier one (a loaded model, `BackupAndRestore`) with a given
+        `noise_seed` or sampler seed draws no noise or batch of that run
+        again (see `noise_seed`).
 
         Returns:
             A `History` object, as `keras.Model.fit` returns.
@@ -353,8 +475,11 @@ class DifferentialPrivacyMixin(TrainStepMixin):
         Raises:
             ValueError: When the run would not be the one accounted.
         """
-        arguments = _keras_model.KERAS_FIT.bind(self, *args, **kwargs).arguments
+        bound = _keras_model.KERAS_FIT.bind(self, *args, **kwargs)
+        arguments = dict(bound.arguments)
+        del arguments["self"]
         accumulation = self.gradient_accumulation_steps or 1
+        _check_windows(arguments, accumulation)
         run = _across_processes(_training_run(arguments, accumulation))
         warning = privacy.check_run(
             self.noise_multiplier,
@@ -371,7 +496,46 @@ class DifferentialPrivacyMixin(TrainStepMixin):
                 )
         if warning:
             warnings.warn(warning, UserWarning, stacklevel=2)
-        return super().fit(*args, **kwargs)
+        self._close_open_windows()
+        state = _model_state.state_of(self)
+        backend.current().share_from_first_process([state.dp_seeds.state])
+        x = arguments.get("x")
+        resumed = _ResumedRun(self, x if _fit_data.is_sampler(x) else None)
+        callbacks = arguments.get("callbacks")
+        if isinstance(callbacks, keras.callbacks.CallbackList):
+            callbacks.append(resumed)
+        else:
+            arguments["callbacks"] = [*(callbacks or ()), resumed]
+        try:
+            return super().fit(**arguments)
+        finally:
+            state.dp_noise_drawn = True
+
+    def _close_open_windows(self) -> None:
+        """Drops the sums of an update's window an earlier fit left open.
+
+        A fit stopped within a window (a budget, an interrupt,
+        `steps_per_epoch`) leaves its batches' clipped sums pending; the
+        next fit's batches would join them in one update, in which an
+        example of both could count twice. They were never released (no
+        noise was added, no update made), so they are dropped.
+        """
+        for accumulator in _model_state.state_of(self).accumulators.values():
+            pending = accumulator.pending(self)
+            if pending:
+                accumulator.restart()
+                warnings.warn(
+                    f"An earlier fit stopped within an update of "
+                    f"gradient_accumulation_steps={accumulator.steps}: the "
+                    f"clipped sums of its last {pending} batches are dropped "
+                    "(they were never released), so that no update mixes the "
+                    "batches of two fits, in which an example could count "
+                    "twice. Fit whole updates (steps_per_epoch and epochs "
+                    "that are multiples of gradient_accumulation_steps) to "
+                    "lose none.",
+                    UserWarning,
+                    stacklevel=3,
+                )
 
     @property
     def private_steps(self) -> int:

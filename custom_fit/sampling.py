@@ -9,18 +9,25 @@ batches of a fixed size) are not drawn that way. `PoissonSampler` draws
 them that way, for `fit`:
 
 ```python
-sampler = custom_fit.sampling.PoissonSampler(x, y, batch_size=256, seed=0)
+sampler = custom_fit.sampling.PoissonSampler(x, y, batch_size=256)
 model = Net(inputs, outputs, l2_norm_clip=1.0, noise_multiplier=1.1,
             expected_batch_size=sampler.batch_size)
 model.fit(sampler, epochs=20)
 ```
 
+The draws are the privacy: whoever knows the seed can list every batch,
+and the accountant's amplification by sampling is gone. So the seed is
+drawn from the operating system's entropy unless one is passed (a
+reproducible run, for tests; with a warning), and never saved.
+
 Over several processes (`torch.distributed`, or JAX under a
 `keras.distribution`), every process makes the same sampler (the whole data
-set, the same `seed`) and `fit` feeds each process its share of every draw.
+set) and `fit` feeds each process its share of every draw; a secret seed is
+process 0's, which `fit` hands to the others before the first step.
 """
 
 import math
+import warnings
 import zlib
 from typing import Any
 
@@ -31,6 +38,10 @@ from custom_fit import _validation
 from custom_fit import backend
 
 PAD_AUTO = "auto"
+# A secret seed's bits, and the chunks in which processes exchange it
+# (`gather_from_processes` carries integers below 2**31).
+_SEED_BITS = 128
+_CHUNK_BITS = 30
 
 
 class PoissonSampler(keras.utils.PyDataset):
@@ -43,6 +54,16 @@ class PoissonSampler(keras.utils.PyDataset):
     `ceil(num_examples / batch_size)` batches, as many as `fit` makes of the
     same data. Each batch is `(x, y, sample_weight)`: the sampled examples
     (in the order of the data), then padding rows.
+
+    Gradient accumulation: with `gradient_accumulation_steps=k` (the
+    model's), each update's logical batch is one draw at the rate `q = k *
+    batch_size / num_examples`, served as `k` consecutive batches (the
+    draw's examples dealt out in turn), so that an example is in an update
+    at most once, and an update is one Poisson draw, as the accountant
+    counts it. An epoch is then `k * ceil(num_examples / (k * batch_size))`
+    batches, a whole number of updates; the model's `expected_batch_size`
+    is the logical batch's, `k * batch_size`. A private model with
+    accumulation refuses a sampler that does not split its draws so.
 
     Padding: `jax.jit` and XLA compile a step once per batch shape, and
     Poisson batches have many sizes (about `batch_size +- 4 *
@@ -63,53 +84,68 @@ class PoissonSampler(keras.utils.PyDataset):
     Several processes: where `fit`'s input is split across processes
     (`torch.distributed` processes, each fitting its own share; JAX
     processes under a `keras.distribution`), make the same sampler in every
-    process, from the whole data set and with the same `seed`. Every
-    process then computes the same draw at each step and takes its share
-    of it: the drawn examples whose index is `process` modulo the number of
-    processes. The shares together are the draw, so each example is in a
-    step's global batch with probability `q`, independently, as the
-    accountant assumes, and the global expected batch size is `batch_size`
-    (the model's `expected_batch_size`). Every share is padded to the same
-    number of rows (the largest share, rounded up to `pad_to_multiple_of`),
-    as JAX needs. `fit` checks before its first step that the processes'
-    samplers agree (data, `seed`, `batch_size`, epoch), and feeds the
-    batches in their order (no shuffling), so that every process takes its
-    share of the same draw.
+    process, from the whole data set. Every process then computes the same
+    draw at each step and takes its share of it: the drawn examples whose
+    index is `process` modulo the number of processes. The shares together
+    are the draw, so each example is in a step's global batch with
+    probability `q`, independently, as the accountant assumes, and the
+    global expected batch size is `batch_size` (the model's
+    `expected_batch_size`). Every share is padded to the same number of
+    rows (the largest share, rounded up to `pad_to_multiple_of`), as JAX
+    needs. A secret seed (the default) is process 0's: `fit` hands it to
+    the others before its first step. `fit` then checks that the
+    processes' samplers agree (data, seed, `batch_size`, epoch), and feeds
+    the batches in their order (no shuffling), so that every process takes
+    its share of the same draw.
 
-    Draws are reproducible: batch `index` of epoch `epoch` depends only on
-    `seed`, `epoch` and `index` (`indices(epoch, index)` gives its
-    examples), whatever order Keras asks for the batches in. A custom_fit
-    model's `fit` asks for them in order unless given `shuffle=True` (the
-    batches are independent, so their order changes nothing, and in order
-    one process trains on the same batches as several).
-    `epoch` counts the sampler's `on_epoch_end` calls (Keras makes one
-    before the first epoch too).
+    The seed: batch `index` of epoch `epoch` depends only on the seed,
+    `epoch` and `index` (`indices(epoch, index)` gives its examples),
+    whatever order Keras asks for the batches in. Whoever knows the seed
+    can list every batch, which takes away the amplification by sampling
+    that the accountant counts: leave `seed` out (128 bits drawn from the
+    operating system, never saved) unless a run must be reproducible, and
+    then keep the seed as secret as the data (passing one warns). A sampler
+    with a seed that a private model trains after an earlier run (a model
+    loaded, or restored by `BackupAndRestore`) continues the stream instead
+    of drawing the first run's batches again (`continue_after`).
+    A custom_fit model's `fit` asks for the batches in order unless given
+    `shuffle=True` (the batches are independent, so their order changes
+    nothing, and in order one process trains on the same batches as
+    several). `epoch` counts the sampler's `on_epoch_end` calls (Keras makes
+    one before the first epoch too).
 
     Args:
         x: NumPy array, or a nested structure (list, tuple, dict) of arrays
             with the same first dimension: the training inputs.
         y: Array or nested structure of arrays: the targets.
         batch_size: Integer from 1 to the number of examples. The expected
-            batch size; the sampling probability is `batch_size /
-            num_examples`.
+            size of each batch; with `gradient_accumulation_steps=k`, that
+            of each of an update's `k` batches.
         sample_weight: Array of one weight per example, or `None`.
-        seed: Integer >= 0, or `None` for a seed drawn from the system.
+        seed: Integer >= 0, or `None` (the default) for a secret seed
+            drawn from the operating system.
         pad_to_multiple_of: Integer >= 1, or `"auto"` (the default): the
             power of two nearest to `sqrt(batch_size)`, about the standard
             deviation of the batch size. `1` pads only empty batches.
+        gradient_accumulation_steps: Integer >= 1. The batches of one
+            update (the model's `gradient_accumulation_steps`): each draw is
+            served as that many batches. Defaults to 1.
         **kwargs: `workers`, `use_multiprocessing` and `max_queue_size`, as
             `keras.utils.PyDataset` takes them.
 
     Attributes:
         num_examples: Integer. The number of training examples.
         batch_size: Integer. The expected batch size.
-        sampling_rate: Float. The probability `q` of each example.
+        gradient_accumulation_steps: Integer. The batches of one draw.
+        sampling_rate: Float. The probability `q` of each example in each
+            draw (each update).
         epoch: Integer. The epoch whose batches `sampler[index]` is.
+        seed_given: Bool. Whether a seed was passed (a reproducible run).
 
     Example:
 
     ```python
-    sampler = custom_fit.sampling.PoissonSampler(x, y, batch_size=64, seed=0)
+    sampler = custom_fit.sampling.PoissonSampler(x, y, batch_size=64)
     model = Net(inputs, outputs, l2_norm_clip=1.0, noise_multiplier=1.1,
                 expected_batch_size=sampler.batch_size)
     model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
@@ -125,6 +161,7 @@ class PoissonSampler(keras.utils.PyDataset):
         sample_weight: Any = None,
         seed: int | None = None,
         pad_to_multiple_of: int | str = PAD_AUTO,
+        gradient_accumulation_steps: int = 1,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -132,19 +169,40 @@ class PoissonSampler(keras.utils.PyDataset):
         self._y = keras.tree.map_structure(np.asarray, y)
         self.num_examples = _common_length(self._x, self._y)
         self.batch_size = _validation.positive_int("batch_size", batch_size)
-        if self.batch_size > self.num_examples:
+        steps = _validation.positive_int(
+            "gradient_accumulation_steps", gradient_accumulation_steps
+        )
+        self.gradient_accumulation_steps = steps
+        if self.batch_size * steps > self.num_examples:
             raise ValueError(
-                "`batch_size` is the expected batch size, at most the "
-                f"number of examples. Received: batch_size={batch_size} for "
-                f"{self.num_examples} examples. Pass a smaller batch_size."
+                "`batch_size` is the expected batch size (times "
+                "`gradient_accumulation_steps`, the expected size of a "
+                "draw), at most the number of examples. Received: "
+                f"batch_size={batch_size}, gradient_accumulation_steps="
+                f"{steps} for {self.num_examples} examples. Pass a smaller "
+                "batch_size."
             )
         self._weights = _example_weights(sample_weight, self.num_examples)
         seed = _validation.seed_or_none("seed", seed)
+        self.seed_given = seed is not None
         if seed is None:
-            seed = int(np.random.SeedSequence().generate_state(1)[0])
+            seed = secret_seed()
+        else:
+            warnings.warn(
+                f"PoissonSampler(seed={seed}) makes every batch "
+                "reproducible: whoever knows the seed can list which examples "
+                "each step trained on, and the privacy amplification by "
+                "sampling that the accountant counts is gone. Keep the seed "
+                "as secret as the data, or leave it out (a secret one is "
+                "drawn from the operating system).",
+                UserWarning,
+                stacklevel=2,
+            )
         self._entropy: int = seed
+        # Nonzero once the stream continues a run of `_stream` updates.
+        self._stream = 0
         self.pad_to_multiple_of = _padding(pad_to_multiple_of, self.batch_size)
-        self.sampling_rate = self.batch_size / self.num_examples
+        self.sampling_rate = self.batch_size * steps / self.num_examples
         self.epoch = 0
         self._fingerprint = _fingerprint((self._x, self._y, self._weights))
         self._share: tuple[int, int] | None = None
@@ -154,17 +212,44 @@ class PoissonSampler(keras.utils.PyDataset):
     sampling = "poisson"
 
     def __len__(self) -> int:
-        return math.ceil(self.num_examples / self.batch_size)
+        steps = self.gradient_accumulation_steps
+        draws = math.ceil(self.num_examples / (self.batch_size * steps))
+        return draws * steps
 
-    def indices(self, epoch: int, index: int) -> np.ndarray:
-        """Returns the examples of one batch (the whole draw), in order.
+    def draw(self, epoch: int, number: int) -> np.ndarray:
+        """Returns the examples of one draw (one update's), in order.
 
-        Over several processes each process' share of it is the examples
-        whose index is the process' index modulo the number of processes.
         Every example is in it independently with probability
-        `sampling_rate`: the batch's size is drawn from `Binomial(
+        `sampling_rate`: the draw's size is drawn from `Binomial(
         num_examples, sampling_rate)`, then a subset of that size uniformly
         at random (the same distribution).
+
+        Args:
+            epoch: Integer >= 0. The epoch, counted over every `fit` on
+                this sampler.
+            number: Integer >= 0. The draw within the epoch (batch `index`
+                is of draw `index // gradient_accumulation_steps`).
+
+        Returns:
+            A NumPy array of example indices.
+        """
+        key = [self._entropy, epoch, number]
+        if self._stream:
+            key = [self._entropy, self._stream, epoch, number]
+        generator = np.random.default_rng(key)
+        size = generator.binomial(self.num_examples, self.sampling_rate)
+        chosen = generator.choice(self.num_examples, size, replace=False)
+        return np.sort(chosen)
+
+    def indices(self, epoch: int, index: int) -> np.ndarray:
+        """Returns the examples of one batch (over processes, all shares).
+
+        Without accumulation the batch is a whole draw (`draw(epoch,
+        index)`); with `gradient_accumulation_steps=k` it is the `index %
+        k`-th of the `k` parts into which draw `index // k` is dealt (its
+        examples in turn). Over several processes each process' share of
+        it is the examples whose index is the process' index modulo the
+        number of processes.
 
         Args:
             epoch: Integer >= 0. The epoch, counted over every `fit` on
@@ -172,19 +257,25 @@ class PoissonSampler(keras.utils.PyDataset):
             index: Integer >= 0. The batch within the epoch.
 
         Returns:
-            A NumPy array of example indices.
+            A NumPy array of example indices, in order.
         """
-        generator = np.random.default_rng([self._entropy, epoch, index])
-        size = generator.binomial(self.num_examples, self.sampling_rate)
-        chosen = generator.choice(self.num_examples, size, replace=False)
-        return np.sort(chosen)
+        return self._parts(epoch, index)[
+            index % self.gradient_accumulation_steps
+        ]
+
+    def _parts(self, epoch: int, index: int) -> list[np.ndarray]:
+        """The batches of the draw that batch `index` belongs to."""
+        steps = self.gradient_accumulation_steps
+        chosen = self.draw(epoch, index // steps)
+        return [chosen[part::steps] for part in range(steps)]
 
     def shared_figures(self) -> dict[str, int]:
         """The figures every process' sampler must share, as integers.
 
-        `fit` compares them across processes before its first step: the
-        data (a checksum of some of its rows and its shapes), the seed, the
-        batch size and the epoch.
+        `fit` compares them across processes before its first step, with
+        the seed (`seed_chunks`): the data (a checksum of some of its rows
+        and its shapes), the stream, the batch size of a draw and the
+        epoch.
 
         Returns:
             A dict of name to integer in `[0, 2**31)`.
@@ -192,10 +283,44 @@ class PoissonSampler(keras.utils.PyDataset):
         return {
             "data": self._fingerprint,
             "num_examples": self.num_examples,
-            "seed": self._entropy % (2**31 - 1),
-            "batch_size": self.batch_size,
+            "stream": self._stream % (2**31 - 1),
+            "batch_size": self.batch_size * self.gradient_accumulation_steps,
             "epoch": self.epoch % (2**31 - 1),
         }
+
+    def seed_chunks(self) -> list[int]:
+        """The seed, as integers in `[0, 2**30)` that processes exchange.
+
+        `fit` gathers them with its other checks before the first step;
+        where the seed is secret (not given), every process then takes
+        process 0's (`adopt_seed`).
+
+        Returns:
+            A list of integers, as long for every seed.
+        """
+        return _chunks(self._entropy)
+
+    def adopt_seed(self, chunks: list[int]) -> None:
+        """Takes the seed another process' `seed_chunks` gave.
+
+        Args:
+            chunks: What `seed_chunks` returned in that process.
+        """
+        self._entropy = _joined([int(c) for c in chunks])
+
+    def continue_after(self, updates: int) -> None:
+        """Continues the stream of a run resumed after `updates` updates.
+
+        The draws from now on are keyed with `updates` too, so that a
+        sampler with a given seed, made anew for a run that continues an
+        earlier one (a loaded model, `BackupAndRestore`), draws none of the
+        earlier run's batches again. A private model's `fit` calls it when
+        its sampler has trained no epoch yet and the model has updates.
+
+        Args:
+            updates: Integer >= 1. The updates the model had made.
+        """
+        self._stream = int(updates)
 
     def use_share(self, processes: int, index: int) -> None:
         """Fixes the share this process feeds: `index` of `processes`.
@@ -212,13 +337,17 @@ class PoissonSampler(keras.utils.PyDataset):
         self._share = (int(processes), int(index))
 
     def __getitem__(self, index: int) -> tuple[Any, Any, np.ndarray]:
-        chosen = self.indices(self.epoch, int(index))
-        largest = len(chosen)
+        index = int(index)
+        parts = self._parts(self.epoch, index)
+        chosen = parts[index % self.gradient_accumulation_steps]
+        largest = max(len(part) for part in parts)
         processes, process = self._share or backend.current().data_shards()
         if processes > 1:
-            owner = chosen % processes
-            largest = int(np.bincount(owner, minlength=processes).max())
-            chosen = chosen[owner == process]
+            largest = max(
+                int(np.bincount(part % processes, minlength=processes).max())
+                for part in parts
+            )
+            chosen = chosen[chosen % processes == process]
         multiple = self.pad_to_multiple_of
         rows = max(multiple, -(-largest // multiple) * multiple)
         padding = rows - len(chosen)
@@ -235,6 +364,28 @@ class PoissonSampler(keras.utils.PyDataset):
     def on_epoch_end(self) -> None:
         """Moves to the next epoch's draws."""
         self.epoch += 1
+
+
+def secret_seed() -> int:
+    """Returns a seed of 128 bits from the operating system's entropy.
+
+    Returns:
+        A non-negative Python integer.
+    """
+    entropy: Any = np.random.SeedSequence().entropy
+    return int(entropy) % (1 << _SEED_BITS)
+
+
+def _chunks(value: int) -> list[int]:
+    """Splits a secret seed into integers below `2**_CHUNK_BITS`."""
+    count = -(-_SEED_BITS // _CHUNK_BITS)
+    mask = (1 << _CHUNK_BITS) - 1
+    return [(value >> (_CHUNK_BITS * i)) & mask for i in range(count)]
+
+
+def _joined(chunks: list[int]) -> int:
+    """The seed `_chunks` split."""
+    return sum(c << (_CHUNK_BITS * i) for i, c in enumerate(chunks))
 
 
 def _fingerprint(arrays: Any) -> int:

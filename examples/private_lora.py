@@ -58,7 +58,13 @@ _BATCH_SIZE = flags.DEFINE_integer(
 _LEARNING_RATE = flags.DEFINE_float(
     "learning_rate", 0.1, "SGD step size of the fine-tuning (momentum 0.9)."
 )
-_SEED = flags.DEFINE_integer("seed", 0, "Random seed (split, weights, noise).")
+_SEED = flags.DEFINE_integer("seed", 0, "Random seed (split, weights).")
+_PRIVATE_SEED = flags.DEFINE_integer(
+    "private_seed",
+    None,
+    "Seed of the noise and the sampler. Default: secret, drawn from the "
+    "system; a seed makes them reproducible by whoever knows it.",
+)
 
 
 class PrivateMLP(custom_fit.DifferentialPrivacyMixin, keras.Model):
@@ -92,7 +98,7 @@ def with_adapters(trained, noise, batch_size):
         l2_norm_clip=_L2_NORM_CLIP.value,
         noise_multiplier=noise,
         expected_batch_size=batch_size,
-        noise_seed=_SEED.value,
+        noise_seed=_PRIVATE_SEED.value,
     )
     model.set_weights(trained.get_weights())
     for layer in model.layers:
@@ -134,7 +140,7 @@ def main(argv):
     )
     history = model.fit(
         custom_fit.sampling.PoissonSampler(
-            x_private, y_private, batch_size, seed=_SEED.value
+            x_private, y_private, batch_size, seed=_PRIVATE_SEED.value
         ),
         epochs=_EPOCHS.value,
         validation_data=(x_val, y_val),

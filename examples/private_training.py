@@ -71,7 +71,13 @@ _MAX_EPSILON = flags.DEFINE_float(
 _LEARNING_RATE = flags.DEFINE_float(
     "learning_rate", 0.05, "SGD step size (momentum 0.9)."
 )
-_SEED = flags.DEFINE_integer("seed", 0, "Random seed (weights and noise).")
+_SEED = flags.DEFINE_integer("seed", 0, "Random seed (weights).")
+_PRIVATE_SEED = flags.DEFINE_integer(
+    "private_seed",
+    None,
+    "Seed of the noise and the sampler. Default: secret, drawn from the "
+    "system; a seed makes them reproducible by whoever knows it.",
+)
 
 
 class PrivateMLP(custom_fit.DifferentialPrivacyMixin, keras.Model):
@@ -88,7 +94,7 @@ def main(argv):
     if poisson:
         data = dict(
             x=custom_fit.sampling.PoissonSampler(
-                x_train, y_train, batch_size, seed=_SEED.value
+                x_train, y_train, batch_size, seed=_PRIVATE_SEED.value
             )
         )
     else:
@@ -112,7 +118,7 @@ def main(argv):
         noise_multiplier=noise,
         num_microbatches=_NUM_MICROBATCHES.value,
         expected_batch_size=batch_size if poisson else None,
-        noise_seed=_SEED.value,
+        noise_seed=_PRIVATE_SEED.value,
     )
     model.compile(
         optimizer=keras.optimizers.SGD(_LEARNING_RATE.value, momentum=0.9),

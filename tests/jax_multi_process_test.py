@@ -74,7 +74,8 @@ class JaxMultiProcessTest(testing.TestCase):
         logged is dp-accounting's for the sampler's rate, the shares of 500
         draws make one Poisson draw each (chi-square), samplers with a seed
         per process are refused, and so is the sampler with Keras' own
-        sharding on (`auto_shard_dataset = True`, Keras' error)."""
+        sharding on (`auto_shard_dataset = True`, Keras' error); without
+        seeds, the processes share process 0's secret ones."""
         from tests.privacy_test import dp_accounting_epsilon
 
         output_dir = tempfile.mkdtemp()
@@ -107,6 +108,24 @@ class JaxMultiProcessTest(testing.TestCase):
                 self.assertAllClose(
                     run[f"weight_{i}"], single[f"weight_{i}"], atol=1e-6
                 )
+        # Secret seeds (noise and sampler): process 0's in both processes,
+        # another draw in the single process.
+        for i in range(4):
+            self.assertAllClose(
+                saved["process_1"][f"secret_weight_{i}"],
+                saved["process_0"][f"secret_weight_{i}"],
+                atol=1e-6,
+            )
+        self.assertGreater(
+            max(
+                np.abs(
+                    saved["process_0"][f"secret_weight_{i}"]
+                    - single[f"secret_weight_{i}"]
+                ).max()
+                for i in range(4)
+            ),
+            1e-3,
+        )
         testing.assert_one_poisson_draw(
             self,
             [saved[f"process_{i}"]["taken"] for i in (0, 1)],

@@ -289,7 +289,7 @@ class CalibratedRunTest(testing.TestCase):
             self.model(self.calibrated(sampling="shuffle")).fit(
                 x, y, batch_size=32, epochs=1, verbose=0
             )
-            sampler = sampling.PoissonSampler(x, y, batch_size=32, seed=0)
+            sampler = sampling.PoissonSampler(x, y, batch_size=32)
             # A few steps: each Poisson batch size compiles a step on JAX.
             self.model(self.calibrated(), expected_batch_size=32).fit(
                 sampler, steps_per_epoch=3, verbose=0
@@ -725,7 +725,8 @@ class DifferentialPrivacyMixinTest(testing.TestCase):
 
     def test_options_survive_clone_config_and_saving(self):
         """clone_model, from_config and a .keras file keep the privacy
-        options (a model is never built without its required options)."""
+        options (a model is never built without its required options), all
+        but the noise's seed."""
         model = testing.mlp(
             PrivateNet,
             l2_norm_clip=0.5,
@@ -746,7 +747,11 @@ class DifferentialPrivacyMixinTest(testing.TestCase):
             self.assertEqual(copy.l2_norm_clip, 0.5)
             self.assertEqual(copy.noise_multiplier, 1.1)
             self.assertEqual(copy.num_microbatches, 4)
-            self.assertEqual(copy.noise_seed, 3)
+            # The seed is the privacy: never saved (a copy draws its own).
+            self.assertIsNone(copy.noise_seed)
+        self.assertNotIn("noise_seed", model.get_config())
+        # Nor is the generator's state among the saved weights.
+        self.assertLen(model.get_weights(), len(testing.mlp().get_weights()))
 
 
 class AccumulationTest(testing.TestCase):

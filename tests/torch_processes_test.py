@@ -24,6 +24,9 @@ _TIMEOUT = 300  # seconds for a whole run, processes included
 # Each process normalizes by its own batch, or draws its own dropout masks:
 # these differ from one process.
 _PER_PROCESS_STATISTICS = ("batch_normalization", "dropout")
+# A secret noise seed, drawn anew by every run: the processes are compared
+# with each other only.
+_SECRET = ("dp_secret_seed", "poisson_secret")
 
 
 class _Net(
@@ -119,7 +122,7 @@ class TorchProcessesTest(testing.TestCase):
         names = self.configurations()
         self.assertGreaterEqual(len(names), 9)
         for name in names:
-            if name in _PER_PROCESS_STATISTICS:
+            if name in _PER_PROCESS_STATISTICS + _SECRET:
                 continue
             weights = [k for k in single if k.startswith(f"{name}/weight_")]
             self.assertNotEmpty(weights)
@@ -157,7 +160,7 @@ class TorchProcessesTest(testing.TestCase):
                 self.saved["process_1"][key],
                 err_msg=key,
             )
-            if key.split("/")[0] in _PER_PROCESS_STATISTICS:
+            if key.split("/")[0] in _PER_PROCESS_STATISTICS + _SECRET:
                 continue
             self.assertAllClose(
                 self.saved["process_0"][key],
@@ -166,6 +169,35 @@ class TorchProcessesTest(testing.TestCase):
                 rtol=1e-6,
                 msg=key,
             )
+
+    def test_a_secret_noise_seed_is_process_zeros_in_both(self):
+        """DP-SGD with noise and no `noise_seed`: each process draws a
+        secret seed of its own, and `fit` hands process 0's to the other,
+        so both end on the same weights (atol 1e-6), which differ from the
+        single process' (another secret seed: other noise)."""
+        keys = [
+            k
+            for k in self.saved["single"]
+            if k.startswith("dp_secret_seed/weight_")
+        ]
+        self.assertNotEmpty(keys)
+        for key in keys:
+            self.assertAllClose(
+                self.saved["process_1"][key],
+                self.saved["process_0"][key],
+                atol=1e-6,
+                rtol=0,
+                msg=key,
+            )
+        self.assertGreater(
+            max(
+                np.abs(
+                    self.saved["process_0"][k] - self.saved["single"][k]
+                ).max()
+                for k in keys
+            ),
+            1e-3,
+        )
 
     def test_guard_and_spike_rule_act_in_both_processes(self):
         """The oracle run skips a NaN batch and a spike in the first epoch,
@@ -319,6 +351,36 @@ class TorchProcessesTest(testing.TestCase):
             self.assertAllClose(
                 self.saved["process_0"][key], single[key], atol=1e-6, rtol=0
             )
+
+    def test_secret_seeds_of_noise_and_sampler_are_process_zeros(self):
+        """DP-SGD on a `PoissonSampler`, neither the noise nor the sampler
+        given a seed: each process draws its own secret seeds, and `fit`
+        hands process 0's to the other, so both train on the same draws
+        with the same noise and end equal (atol 1e-6), unlike the single
+        process (other secret seeds)."""
+        keys = [
+            k
+            for k in self.saved["single"]
+            if k.startswith("poisson_secret/weight_")
+        ]
+        self.assertNotEmpty(keys)
+        for key in keys:
+            self.assertAllClose(
+                self.saved["process_1"][key],
+                self.saved["process_0"][key],
+                atol=1e-6,
+                rtol=0,
+                msg=key,
+            )
+        self.assertGreater(
+            max(
+                np.abs(
+                    self.saved["process_0"][k] - self.saved["single"][k]
+                ).max()
+                for k in keys
+            ),
+            1e-3,
+        )
 
     def test_poisson_samplers_that_differ_are_refused(self):
         """Over two processes, samplers with a seed of their own, with each

@@ -128,6 +128,28 @@ class Adapter(Protocol):
         """
         ...
 
+    def secret_seeds(self, seed: int | None) -> Any:
+        """A `keras.random.SeedGenerator` of noise no one may predict.
+
+        Seeded with `seed` where one is given (a reproducible run); else
+        from the operating system's entropy, with every secret bit the
+        backend's draws (`add_noise`) read: at least 62. Where the variable
+        must agree over processes when it is made (JAX), process 0's bits,
+        in a collective.
+        """
+        ...
+
+    def share_from_first_process(self, variables: Sequence[Any]) -> None:
+        """Gives each variable process 0's value, in every process.
+
+        Where several processes each run the step on one model (JAX
+        processes, `torch.distributed`): a collective every process
+        calls. Nothing in one process, nor under `tf.distribute`, whose
+        workers take the chief's initial values of the variables made in
+        its scope.
+        """
+        ...
+
     def divisible_first_axis(
         self, tensor: Any, count: int, message: str
     ) -> Any:

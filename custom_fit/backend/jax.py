@@ -37,6 +37,7 @@ adapter subclasses with JAX's abstract trace, compiler and placement.
 
 import contextlib
 import math
+import secrets
 import warnings
 from collections.abc import Callable
 from collections.abc import Sequence
@@ -263,6 +264,44 @@ def add_noise(tensors: Sequence[Any], stddev: Any, seeds: Any) -> list[Any]:
             noisy[i] = noisy[i] + piece
             start += size
     return noisy
+
+
+def secret_seeds(seed: int | None) -> Any:
+    """Returns a generator seeded with `seed`, or with 64 secret bits.
+
+    The state, two uint32 words `[seed, counter]`, is the draws' threefry
+    key as it is: without a seed both words are drawn from the operating
+    system, so that the counter starts at a secret place too. Over several
+    processes, process 0's words (a collective: every process makes the
+    model).
+    """
+    if seed is not None:
+        return keras.random.SeedGenerator(seed)
+    words = np.asarray([secrets.randbits(32), secrets.randbits(32)], np.uint32)
+    if jax.process_count() > 1:
+        # Keras lays a variable out over the processes' devices from
+        # values that must agree: process 0's, made before it.
+        from jax.experimental import multihost_utils
+
+        words = np.asarray(multihost_utils.broadcast_one_to_all(words))
+    seeds = keras.random.SeedGenerator(int(words[0]))
+    seeds.state.assign(words)
+    return seeds
+
+
+def share_from_first_process(variables: Sequence[Any]) -> None:
+    """Assigns process 0's values of `variables` in every JAX process."""
+    if jax.process_count() == 1:
+        return
+    from jax.experimental import multihost_utils
+
+    for variable in variables:
+        value = variable.value
+        if not value.is_fully_addressable:
+            # A replicated array: this process' copy.
+            value = value.addressable_data(0)
+        first = multihost_utils.broadcast_one_to_all(np.asarray(value))
+        variable.assign(np.asarray(first))
 
 
 # Conditional updates.

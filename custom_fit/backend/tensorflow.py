@@ -9,11 +9,13 @@ cross-replica context when they are conditional.
 """
 
 import contextlib
+import secrets
 from collections.abc import Callable
 from collections.abc import Iterable
 from collections.abc import Sequence
 from typing import Any
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -109,6 +111,25 @@ def _normal(shape: Sequence[int], dtype: str, seeds: Any) -> Any:
 def add_noise(tensors: Sequence[Any], stddev: Any, seeds: Any) -> list[Any]:
     """Returns `tensors` plus noise: one Philox draw (`_normal`) each."""
     return _dense.noisy(tensors, stddev, seeds, _normal)
+
+
+def secret_seeds(seed: int | None) -> Any:
+    """Returns a generator seeded with `seed`, or with 62 secret bits.
+
+    The state is two int64 words, `[seed, counter]`, which Philox reads
+    whole (`_normal`): 62 bits of entropy in the first word leave the
+    counter at 0, so that `MultiWorkerMirroredStrategy`, which gives every
+    worker the chief's initial value of a variable made in its scope,
+    gives every worker the same generator.
+    """
+    if seed is None:
+        seed = secrets.randbits(62)
+    return keras.random.SeedGenerator(seed)
+
+
+def share_from_first_process(variables: Sequence[Any]) -> None:
+    """Does nothing: `tf.distribute` workers share initial values."""
+    del variables
 
 
 def divisible_first_axis(tensor: Any, count: int, message: str) -> Any:

@@ -30,6 +30,10 @@ Keras 3.15 has no PyTorch distribution; data parallelism over
 """
 
 import contextlib
+import hashlib
+import math
+import secrets
+import struct
 from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
@@ -50,7 +54,6 @@ from custom_fit.backend._dense import divisible_first_axis  # noqa: F401
 from custom_fit.backend._dense import dtype_groups as _dtype_groups
 from custom_fit.backend._dense import is_sparse  # noqa: F401
 from custom_fit.backend._dense import map_values  # noqa: F401
-from custom_fit.backend._dense import normal as _normal
 from custom_fit.backend._dense import recorded_gradients  # noqa: F401
 from custom_fit.backend._dense import reducible_logs  # noqa: F401
 from custom_fit.backend._dense import replica_count  # noqa: F401
@@ -421,6 +424,71 @@ def fetch(value: Any) -> np.ndarray:
 # Training functions.
 
 
+def secret_seeds(seed: int | None) -> Any:
+    """Returns a generator seeded with `seed`, or with 62 secret bits.
+
+    The state is two int32 words, `[seed, counter]`; without a seed both
+    are drawn from the operating system (31 bits each), and `_normal`
+    reads them whole.
+    """
+    if seed is not None:
+        return keras.random.SeedGenerator(seed)
+    seeds = keras.random.SeedGenerator(secrets.randbits(31))
+    seeds.state.assign(
+        np.asarray([secrets.randbits(31), secrets.randbits(31)], np.int32)
+    )
+    return seeds
+
+
+def share_from_first_process(variables: Sequence[Any]) -> None:
+    """Assigns process 0's values of `variables` in every process."""
+    if _torch_processes.world_size() == 1:
+        return
+    device = torch.device("cpu")
+    if torch.distributed.get_backend() == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    for variable in variables:
+        value = torch.as_tensor(variable.value).detach().clone().to(device)
+        torch.distributed.broadcast(value, src=0)
+        variable.assign(value.cpu().numpy())
+
+
+# How many draws one noise is the sum of on the CPU (`_normal`).
+_CPU_DRAWS = 3
+
+
+def _normal(shape: Sequence[int], dtype: Any, seeds: Any, device: Any) -> Any:
+    """Returns standard normal draws of `shape`, from both state words.
+
+    Keras' PyTorch draws seed a generator with the sum of the state's two
+    words, 32 bits; and PyTorch's CPU generator (MT19937) keeps only 32
+    bits of any seed, so one draw of it could be found by trying every
+    seed. Here both words (`secret_seeds`: 62 secret bits) are hashed into
+    the seeds of the draws: on a CUDA device one Philox generator with a
+    64-bit seed; on the CPU the sum of `_CPU_DRAWS` draws from generators
+    with 32-bit seeds, each scaled by `1 / sqrt(_CPU_DRAWS)` (a normal
+    draw, whose seeds a search must find together). The state advances
+    by one, as a Keras draw advances it.
+    """
+    words = [int(w) & 0xFFFFFFFF for w in seeds.next().tolist()]
+    digest = hashlib.blake2b(
+        struct.pack("<2I", *words), digest_size=8 * _CPU_DRAWS
+    ).digest()
+    keys = struct.unpack(f"<{_CPU_DRAWS}Q", digest)
+    draws = 1 if device.type == "cuda" else _CPU_DRAWS
+
+    def draw(key: int) -> Any:
+        generator = torch.Generator(device=device)
+        generator.manual_seed(key if draws == 1 else key & 0xFFFFFFFF)
+        return torch.randn(
+            tuple(shape), generator=generator, device=device, dtype=dtype
+        )
+
+    if draws == 1:
+        return draw(keys[0])
+    return sum(draw(key) for key in keys[:draws]) / math.sqrt(draws)
+
+
 def add_noise(tensors: Sequence[Any], stddev: Any, seeds: Any) -> list[Any]:
     """Returns `tensors` plus normal noise of `stddev`: one draw per dtype.
 
@@ -432,7 +500,10 @@ def add_noise(tensors: Sequence[Any], stddev: Any, seeds: Any) -> list[Any]:
     for indices in _dtype_groups(noisy):
         group = [noisy[i] for i in indices]
         sizes = [t.numel() for t in group]
-        flat = _normal((sum(sizes),), group[0].dtype, seeds) * stddev
+        flat = (
+            _normal((sum(sizes),), group[0].dtype, seeds, group[0].device)
+            * stddev
+        )
         pieces = [
             piece.view(t.shape)
             for piece, t in zip(torch.split(flat, sizes), group)

@@ -66,7 +66,7 @@ def train(process, processes, label):
         "int32"
     )
 
-    def private_model():
+    def private_model(noise_seed=3):
         keras.utils.set_random_seed(0)
         inputs = keras.Input((6,))
         hidden = keras.layers.Dense(8, activation="tanh")(inputs)
@@ -75,7 +75,7 @@ def train(process, processes, label):
             keras.layers.Dense(3)(hidden),
             l2_norm_clip=2.5,
             noise_multiplier=1.0,
-            noise_seed=3,
+            noise_seed=noise_seed,
             expected_batch_size=BATCH,
         )
         model.compile(
@@ -85,6 +85,10 @@ def train(process, processes, label):
         return model
 
     def sampler(seed=5):
+        if seed is None:
+            return custom_fit.sampling.PoissonSampler(
+                x, y, batch_size=BATCH, pad_to_multiple_of=8
+            )
         return custom_fit.sampling.PoissonSampler(
             x, y, batch_size=BATCH, seed=seed, pad_to_multiple_of=8
         )
@@ -96,6 +100,13 @@ def train(process, processes, label):
     history = model.fit(sampler(), epochs=3, verbose=0, callbacks=[budget])
     saved = {f"weight_{i}": w for i, w in enumerate(model.get_weights())}
     saved["epsilon"] = np.asarray(history.history["epsilon"])
+
+    # Secret seeds of the noise and the sampler: each process draws its
+    # own, and fit hands process 0's to the others.
+    secret = private_model(noise_seed=None)
+    secret.fit(sampler(seed=None), epochs=1, verbose=0)
+    for i, weight in enumerate(secret.get_weights()):
+        saved[f"secret_weight_{i}"] = weight
 
     # Samplers with a seed of their own in each process: refused.
     try:

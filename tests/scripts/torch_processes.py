@@ -178,11 +178,9 @@ def configurations():
         return dict(optimizer=sgd(), loss=loss)
 
     def private(**options):
-        """DP-SGD with noise: clip 2.5, noise 1.0 (unless given), seed 3."""
-        options = {"noise_multiplier": 1.0, **options}
-        return lambda seed: network(
-            Private, seed, l2_norm_clip=2.5, noise_seed=3, **options
-        )
+        """DP-SGD with noise: clip 2.5, noise 1.0, seed 3 (unless given)."""
+        options = {"noise_multiplier": 1.0, "noise_seed": 3, **options}
+        return lambda seed: network(Private, seed, l2_norm_clip=2.5, **options)
 
     def nan_in_batch_one(x):
         x = x.copy()
@@ -307,6 +305,9 @@ def configurations():
             plain_sgd(),
             None,
         ),
+        # A secret seed: each process draws its own, and fit hands process
+        # 0's to the others (compared across processes only).
+        "dp_secret_seed": (private(noise_seed=None), plain_sgd(), None),
     }
 
 
@@ -462,6 +463,23 @@ def poisson_private(x, y, rank, world):
         f"poisson/weight_{i}": w for i, w in enumerate(model.get_weights())
     }
     results["poisson/epsilon"] = np.asarray(history.history["epsilon"])
+    # Secret seeds, of the noise and of the sampler: each process draws its
+    # own, and fit hands process 0's to the other.
+    secret = network(
+        Private,
+        rank,
+        l2_norm_clip=2.5,
+        noise_multiplier=1.0,
+        expected_batch_size=GLOBAL_BATCH,
+    )
+    secret.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss)
+    secret.fit(
+        custom_fit.sampling.PoissonSampler(x, y, batch_size=GLOBAL_BATCH),
+        epochs=1,
+        verbose=0,
+    )
+    for i, weight in enumerate(secret.get_weights()):
+        results[f"poisson_secret/weight_{i}"] = weight
     refusals = {
         # Each process' own seed, its own data, shuffling asked for.
         "seed": (dict(x=x, y=y, seed=rank), {}),

@@ -127,6 +127,5 @@ class GradientAccumulator:
 
         Called between `fit`s, outside the step.
         """
-        self.count.assign(ops.zeros_like(self.count))
-        for running_sum in self.sums:
-            running_sum.assign(ops.zeros_like(running_sum))
+        for variable in (self.count, *self.sums):
+            variable.assign(ops.zeros(variable.shape, variable.dtype))

@@ -255,6 +255,34 @@ def summed_example_losses(
     return total, ""
 
 
+def example_loss_values(
+    model: keras.Model, y: Any, y_pred: Any
+) -> list[tuple[str, Any]]:
+    """Returns each compiled loss's values before its reduction.
+
+    For a check outside the step: the compiled loss (`_compile_loss`) is
+    built first where no step has built it, as Keras builds it at the
+    first step. One value per example has the batch as its first axis.
+
+    Args:
+        model: A compiled model.
+        y: The targets of a batch.
+        y_pred: The model's predictions for it.
+
+    Returns:
+        A list of `(output name, values)`, empty without a compiled loss.
+    """
+    compile_loss = getattr(model, "_compile_loss", None)
+    if compile_loss is None:
+        return []
+    if not compile_loss.built:
+        compile_loss.build(y, y_pred)
+    return [
+        (name, _unreduced(loss, pair))
+        for name, loss, _, pair in _output_losses(model, y, y_pred, None)
+    ]
+
+
 def _unreduced(loss: Any, pair: tuple[Any, Any]) -> Any:
     """Returns a compiled loss's values before its reduction.
 

@@ -59,6 +59,8 @@ class ModelState:
         # Why ghost clipping turned out impossible at a step ("": it did
         # not), found in the traced pass (a loss added in a layer's call).
         self.dp_ghost_blocker = ""
+        # Whether fit tried the model on a batch (`_independence.probe`).
+        self.dp_probed = False
 
 
 def state_of(model: Any) -> ModelState:

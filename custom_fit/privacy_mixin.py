@@ -10,6 +10,7 @@ from keras import ops
 
 from custom_fit import _fit_data
 from custom_fit import _ghost_layers
+from custom_fit import _independence
 from custom_fit import _keras_compat
 from custom_fit import _keras_model
 from custom_fit import _model_state
@@ -134,6 +135,12 @@ def _across_processes(run: privacy.TrainingRun) -> privacy.TrainingRun:
         run.steps,
         f"{run.described} in each of {processes} processes",
     )
+
+
+def _library_class(cls: type) -> bool:
+    """Whether `cls` is Keras' or custom_fit's (not a user's)."""
+    module = cls.__module__ or ""
+    return module.split(".")[0] in ("keras", "custom_fit")
 
 
 def _check_windows(arguments: dict[str, Any], accumulation: int) -> None:
@@ -432,6 +439,7 @@ class DifferentialPrivacyMixin(TrainStepMixin):
                 f"num_microbatches={self.num_microbatches}. Leave "
                 "num_microbatches out, or use clipping_method='auto'."
             )
+        self._refuse_what_the_private_gradient_leaves_out()
         state = _model_state.state_of(self)
         state.dp_seeds = backend.current().secret_seeds(self.noise_seed)
         state.holder.track(state.dp_seeds.state)
@@ -496,6 +504,7 @@ class DifferentialPrivacyMixin(TrainStepMixin):
                 )
         if warning:
             warnings.warn(warning, UserWarning, stacklevel=2)
+        self._check_examples_apart(arguments)
         self._close_open_windows()
         state = _model_state.state_of(self)
         backend.current().share_from_first_process([state.dp_seeds.state])
@@ -510,6 +519,119 @@ class DifferentialPrivacyMixin(TrainStepMixin):
             return super().fit(**arguments)
         finally:
             state.dp_noise_drawn = True
+
+    def _refuse_what_the_private_gradient_leaves_out(self) -> None:
+        """Raises for a loss the private gradient would leave out.
+
+        Each example's gradient is that of its compiled loss and
+        `model.losses`: `RegularizationMixin`'s penalties, its
+        `regularization_losses` hook and an overridden `compute_loss` would
+        change the logged loss and not the update, without a word. SAM's
+        second gradient is no clipped per-example gradient.
+        """
+        set_penalties = [
+            f"{name}={getattr(self, name)!r}"
+            for name in ("l1", "l2", "input_gradient_penalty")
+            if getattr(self, name, None) is not None
+        ]
+        if set_penalties:
+            raise ValueError(
+                "DifferentialPrivacyMixin clips each example's gradient of "
+                "the compiled loss and `model.losses`; RegularizationMixin's "
+                "penalties would be left out of the private gradient (the "
+                "update would be the same without them). Received: "
+                f"{', '.join(set_penalties)}. For weight decay use the "
+                "optimizer's (keras.optimizers.AdamW, or weight_decay=...); "
+                "for a weight penalty a layer's kernel_regularizer (in "
+                "model.losses, clipped with each example's gradient)."
+            )
+        for hook in ("compute_loss", "regularization_losses"):
+            owner = next(
+                (k for k in type(self).__mro__ if hook in vars(k)), None
+            )
+            if owner is not None and not _library_class(owner):
+                raise ValueError(
+                    "DifferentialPrivacyMixin clips each example's gradient "
+                    "of the compiled loss and `model.losses`, computed per "
+                    f"example; the {hook} of {owner.__name__} would be left "
+                    "out of the private gradient (the update would be the "
+                    "same without it). Received: a model class that "
+                    f"overrides `{hook}`. Compile the loss instead "
+                    "(model.compile(loss=...), one value per example), or "
+                    "add a term with a layer's add_loss or a "
+                    "kernel_regularizer."
+                )
+        if "sam_rho" in _options.declared_options(type(self)):
+            raise ValueError(
+                "DifferentialPrivacyMixin does not combine with "
+                "SharpnessAwareMixin: SAM's update is the gradient at "
+                "perturbed weights, which would be neither clipped per "
+                "example nor noised as DP-SGD's. Received: a model class "
+                f"with both ({type(self).__name__}). Leave one of them out."
+            )
+
+    def _check_examples_apart(self, arguments: dict[str, Any]) -> None:
+        """Tries the model on fit's first batch, once: see `_independence`.
+
+        A model whose training-mode state follows the data is refused;
+        one that mixes a batch's examples leaves ghost clipping (refused
+        with `clipping_method="ghost"`). Data that gives no batch before
+        training (a generator) leaves ghost clipping too, unchecked.
+
+        Raises:
+            ValueError: Naming the variables, or why ghost clipping cannot
+                be taken.
+        """
+        state = _model_state.state_of(self)
+        if state.dp_probed:
+            return
+        batch = _independence.first_batch(arguments)
+        found = (
+            _independence.Probe(checked=False)
+            if batch is None
+            else _independence.probe(self, batch)
+        )
+        if found.leaks:
+            raise ValueError(
+                "DifferentialPrivacyMixin: a training step of this model "
+                "writes state computed from the data, which the noise does "
+                "not cover (changing one example changed it), and which "
+                "every later step and the saved model carry. Received: the "
+                f"non-trainable variables {found.leaks}. Use a layer that "
+                "keeps no batch statistics (keras.layers.GroupNormalization "
+                "or LayerNormalization instead of BatchNormalization), or "
+                "freeze the layer (layer.trainable = False keeps its "
+                "statistics)."
+            )
+        reason = found.mixing
+        if not found.checked:
+            reason = (
+                "custom_fit could not check that the model keeps a batch's "
+                "examples apart: "
+                + (
+                    "the data gives no batch before training (a generator)"
+                    if batch is None
+                    else "the first batch holds fewer than two different "
+                    "examples"
+                )
+            )
+        if reason and self.clipping_method == "ghost":
+            raise ValueError(
+                "`clipping_method='ghost'` needs each example's loss to "
+                f"depend on that example alone, and {reason}. Received: "
+                "clipping_method='ghost'. Use clipping_method='auto' (which "
+                "then computes each example's gradient on its own) or "
+                "'vectorized'"
+                + (
+                    ", or data custom_fit can read before "
+                    "training (arrays, a PyDataset, a tf.data.Dataset)."
+                    if not found.checked
+                    else "."
+                )
+            )
+        if reason and not state.dp_ghost_blocker:
+            state.dp_ghost_blocker = reason
+        state.dp_probed = True
 
     def _close_open_windows(self) -> None:
         """Drops the sums of an update's window an earlier fit left open.
@@ -874,11 +996,11 @@ class DifferentialPrivacyMixin(TrainStepMixin):
 
     def _refuse_batch_mixing(self) -> None:
         """Raises if a layer mixes the examples of a batch in training."""
-        pending = list(self.layers)
-        while pending:
-            layer = pending.pop()
-            pending.extend(getattr(layer, "layers", None) or ())
-            if isinstance(layer, keras.layers.BatchNormalization):
+        for layer in _keras_compat.all_layers(self):
+            # A frozen one runs in inference mode: its statistics are fixed.
+            if layer.trainable and isinstance(
+                layer, keras.layers.BatchNormalization
+            ):
                 raise ValueError(
                     "DifferentialPrivacyMixin trains one example at a time, "
                     "and BatchNormalization in training mode mixes the "

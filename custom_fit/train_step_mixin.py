@@ -277,8 +277,14 @@ class TrainStepMixin(
             # From `from_config`: the options Keras does not pass on.
             options = _options.take_pending(type(self)) or {}
         if not options and isinstance(source, TrainStepMixin):
-            # keras.models.clone_model builds the clone without keywords.
-            options = dict(_model_state.state_of(source).options)
+            # keras.models.clone_model builds the clone without keywords;
+            # the secret options (a seed) are not copied, as not saved.
+            saved = _options.saved_options(type(source))
+            options = {
+                name: value
+                for name, value in _model_state.state_of(source).options.items()
+                if name in saved
+            }
         self._configure_options(options)
 
     def _check_model(self) -> None:

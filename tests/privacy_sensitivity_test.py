@@ -47,9 +47,7 @@ def canary_model(num_examples, **options):
 def canary_data(num_examples):
     """The examples' ids and targets."""
     ids = np.arange(num_examples, dtype="int32")[:, None]
-    targets = np.tile(
-        np.asarray([[TARGET, 0.0]], "float32"), (num_examples, 1)
-    )
+    targets = np.tile(np.asarray([[TARGET, 0.0]], "float32"), (num_examples, 1))
     return ids, targets
 
 
@@ -124,9 +122,7 @@ class PoissonAccumulationTest(testing.TestCase):
             gradient_accumulation_steps=steps,
             expected_batch_size=steps * batch,
         )
-        model.compile(
-            optimizer=keras.optimizers.SGD(1.0), loss="mse", **mode
-        )
+        model.compile(optimizer=keras.optimizers.SGD(1.0), loss="mse", **mode)
         record = TableAfterEachCall()
         model.fit(sampler, epochs=30, verbose=0, callbacks=[record])
         counts = entries_per_update(record, steps * batch)
@@ -180,12 +176,14 @@ class ShuffledAccumulationTest(testing.TestCase):
         over 5 epochs each update holds each example at most once."""
         ids, targets = canary_data(64)
         model = canary_model(64, gradient_accumulation_steps=4)
-        model.compile(
-            optimizer=keras.optimizers.SGD(1.0), loss="mse", **mode
-        )
+        model.compile(optimizer=keras.optimizers.SGD(1.0), loss="mse", **mode)
         record = TableAfterEachCall()
         model.fit(
-            ids, targets, batch_size=8, epochs=5, verbose=0,
+            ids,
+            targets,
+            batch_size=8,
+            epochs=5,
+            verbose=0,
             callbacks=[record],
         )
         # The divisor: the update's microbatches (4 batches of 8).
@@ -204,7 +202,10 @@ class ShuffledAccumulationTest(testing.TestCase):
             model.fit(ids, targets, batch_size=8, verbose=0)
         with self.assertRaisesRegex(ValueError, "Received: 3 steps_per_epoch"):
             model.fit(
-                ids[:32], targets[:32], batch_size=8, steps_per_epoch=3,
+                ids[:32],
+                targets[:32],
+                batch_size=8,
+                steps_per_epoch=3,
                 verbose=0,
             )
 
@@ -224,16 +225,225 @@ class ShuffledAccumulationTest(testing.TestCase):
 
         record = TableAfterEachCall()
         model.fit(
-            ids, targets, batch_size=8, shuffle=False, verbose=0,
+            ids,
+            targets,
+            batch_size=8,
+            shuffle=False,
+            verbose=0,
             callbacks=[StopAfterTwo(), record],
         )
         self.assertEqual(model.private_steps, 0)
         with self.assertWarnsRegex(UserWarning, "its last 2 batches"):
             model.fit(
-                ids, targets, batch_size=8, shuffle=False, verbose=0,
+                ids,
+                targets,
+                batch_size=8,
+                shuffle=False,
+                verbose=0,
                 callbacks=[record],
             )
         self.assertEqual(model.private_steps, 1)
         counts = entries_per_update(record, 32)
         assert_once_each(self, counts)
         np.testing.assert_array_equal(np.round(counts), np.ones((1, 32)))
+
+
+class BatchCentering(keras.layers.Layer):
+    """A weightless custom layer that normalizes over the batch axis (its
+    examples mix: each row depends on the batch's mean and spread)."""
+
+    def call(self, inputs):
+        centered = inputs - keras.ops.mean(inputs, axis=0, keepdims=True)
+        spread = keras.ops.std(inputs, axis=0, keepdims=True)
+        return centered / (spread + 1e-3)
+
+
+class NestedBatchNormalization(keras.layers.Layer):
+    """A custom layer holding a BatchNormalization."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.normalization = keras.layers.BatchNormalization()
+
+    def call(self, inputs, training=None):
+        return self.normalization(inputs, training=training)
+
+
+def sensitivity_model(kind, **options):
+    """A small private model of `kind`: its layers, compiled loss and data
+    (`(model, x, y)`), all sharing fixed initial weights."""
+    keras.utils.set_random_seed(3)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(24, 6)).astype("float32")
+    x[7] *= 100.0  # an outlier, whose gradient is far above the clip
+    y = (x[:, 0] + x[:, 1] > 0).astype("int32")
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(8, activation="tanh")(inputs)
+    if kind == "batch_centering":
+        hidden = BatchCentering()(hidden)
+    elif kind == "unit_normalization_axis_0":
+        hidden = keras.layers.UnitNormalization(axis=0)(hidden)
+    elif kind == "layer_normalization":
+        hidden = keras.layers.LayerNormalization()(hidden)
+    elif kind == "nested_batch_normalization":
+        hidden = NestedBatchNormalization()(hidden)
+    elif kind == "frozen_batch_normalization":
+        frozen = keras.layers.BatchNormalization()
+        frozen.trainable = False
+        hidden = frozen(hidden)
+    outputs = keras.layers.Dense(2)(hidden)
+    if kind == "loss_over_the_batch":
+        # Keras' own loss, reduced over the batch axis.
+        loss = keras.losses.CosineSimilarity(axis=0)
+        y = np.eye(2, dtype="float32")[y]
+    model = PrivateNet(
+        inputs, outputs, l2_norm_clip=CLIP, noise_multiplier=0.0, **options
+    )
+    model.compile(optimizer=keras.optimizers.SGD(1.0), loss=loss)
+    return model, x, y
+
+
+def clipped_sum(kind, x, y, **options):
+    """The noise-free clipped sum of one private step on the batch `(x,
+    y)`, read from the SGD(1.0) update times the batch's size (the
+    step's divisor)."""
+    model, _, _ = sensitivity_model(kind, **options)
+    before = model.get_weights()
+    model.fit(x, y, batch_size=len(x), shuffle=False, verbose=0)
+    return (
+        np.concatenate(
+            [
+                (np.asarray(b, np.float64) - np.asarray(a, np.float64)).ravel()
+                for b, a in zip(before, model.get_weights())
+            ]
+        )
+        * len(x)
+    ), model
+
+
+# Models the mixin accepts, by how they clip: every path, and the models
+# that mix a batch's examples (which ghost clipping must not take).
+ACCEPTED = (
+    ("dense_ghost", "dense", dict(clipping_method="ghost")),
+    ("dense_vectorized", "dense", dict(clipping_method="vectorized")),
+    ("layer_normalization", "layer_normalization", {}),
+    ("frozen_batch_normalization", "frozen_batch_normalization", {}),
+    ("batch_centering", "batch_centering", {}),
+    ("unit_normalization_axis_0", "unit_normalization_axis_0", {}),
+    ("loss_over_the_batch", "loss_over_the_batch", {}),
+)
+MIXING = ("batch_centering", "unit_normalization_axis_0", "loss_over_the_batch")
+
+
+class RemoveOneExampleTest(testing.TestCase):
+    """Removing one example moves the clipped sum by at most C."""
+
+    @parameterized.named_parameters(*ACCEPTED)
+    def test_the_clipped_sum_moves_by_at_most_the_clip(self, kind, options):
+        """For examples 0, 7 (an outlier, 100 times the others) and 15:
+        the clipped sums of the batch with and without the example differ
+        by at most C in L2 norm (noise off); a model that mixes a batch's
+        examples is clipped one example at a time, saying why."""
+        _, x, y = sensitivity_model(kind, **options)
+        full, model = clipped_sum(kind, x, y, **options)
+        for removed in (0, 7, 15):
+            kept = np.arange(len(x)) != removed
+            without, _ = clipped_sum(kind, x[kept], y[kept], **options)
+            move = float(np.linalg.norm(full - without))
+            self.assertLessEqual(move, CLIP * (1 + 1e-4), (kind, removed))
+        if kind in MIXING:
+            self.assertEqual(model.per_example_clipping, "vectorized")
+            self.assertRegex(
+                model.per_example_clipping_reason, "(mixes|no value per)"
+            )
+
+    @parameterized.named_parameters((kind, kind) for kind in MIXING)
+    def test_ghost_clipping_of_a_model_that_mixes_is_refused(self, kind):
+        """`clipping_method="ghost"` on a model whose examples mix is
+        refused before the first step, saying why; the weights stay."""
+        model, x, y = sensitivity_model(kind, clipping_method="ghost")
+        before = model.get_weights()
+        with self.assertRaisesRegex(
+            ValueError, "clipping_method='ghost'. Use clipping_method='auto'"
+        ):
+            model.fit(x, y, batch_size=len(x), verbose=0)
+        self.assertAllClose(model.get_weights(), before, atol=0, rtol=0)
+        self.assertEqual(model.private_steps, 0)
+
+    def test_batch_statistics_at_any_depth_are_refused(self):
+        """A BatchNormalization inside a custom layer: its moving
+        statistics would carry the data, noise-free. Refused before the
+        first step, naming the variables; its statistics untouched."""
+        model, x, y = sensitivity_model("nested_batch_normalization")
+        before = model.get_weights()
+        with self.assertRaisesRegex(ValueError, "moving_mean"):
+            model.fit(x, y, batch_size=len(x), verbose=0)
+        self.assertAllClose(model.get_weights(), before, atol=0, rtol=0)
+
+    def test_a_generator_leaves_ghost_clipping_unchecked(self):
+        """Data that gives no batch before training (a generator): ghost
+        clipping is not taken ("auto" clips one example at a time, saying
+        why), and asking for it is refused."""
+        model, x, y = sensitivity_model("dense")
+
+        def batches():
+            while True:
+                yield x, y
+
+        model.fit(batches(), steps_per_epoch=1, shuffle=False, verbose=0)
+        self.assertEqual(model.per_example_clipping, "vectorized")
+        self.assertIn("a generator", model.per_example_clipping_reason)
+        ghost, _, _ = sensitivity_model("dense", clipping_method="ghost")
+        with self.assertRaisesRegex(ValueError, "a generator"):
+            ghost.fit(batches(), steps_per_epoch=1, shuffle=False, verbose=0)
+
+
+class LeftOutLossTest(testing.TestCase):
+    """What the private gradient would leave out is refused."""
+
+    def test_penalties_and_loss_overrides_are_refused(self):
+        """RegularizationMixin's penalties, an overridden `compute_loss` or
+        `regularization_losses`, and SAM with DP-SGD: refused at
+        construction, naming what and the fix."""
+        import custom_fit
+
+        class Regularized(
+            custom_fit.DifferentialPrivacyMixin,
+            custom_fit.RegularizationMixin,
+            keras.Model,
+        ):
+            pass
+
+        class OwnLoss(PrivateNet):
+            def compute_loss(self, *args, **kwargs):
+                return 2.0 * super().compute_loss(*args, **kwargs)
+
+        class OwnTerms(Regularized):
+            def regularization_losses(self, x, y, y_pred):
+                return {"extra": keras.ops.sum(y_pred)}
+
+        class Sharp(
+            custom_fit.DifferentialPrivacyMixin,
+            custom_fit.SharpnessAwareMixin,
+            keras.Model,
+        ):
+            pass
+
+        private = dict(l2_norm_clip=1.0, noise_multiplier=1.0)
+        for model_class, options, message in (
+            (Regularized, dict(l2=0.01), "Received: l2=0.01"),
+            (Regularized, dict(l1=0.1), "Received: l1=0.1"),
+            (
+                Regularized,
+                dict(input_gradient_penalty=1.0),
+                "input_gradient_penalty=1.0",
+            ),
+            (OwnLoss, {}, "overrides `compute_loss`"),
+            (OwnTerms, {}, "overrides `regularization_losses`"),
+            (Sharp, {}, "does not combine with SharpnessAwareMixin"),
+        ):
+            with self.assertRaisesRegex(ValueError, message):
+                testing.mlp(model_class, **private, **options)
+        # Without a penalty, RegularizationMixin's loss components stay.
+        testing.mlp(Regularized, **private)

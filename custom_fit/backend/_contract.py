@@ -150,6 +150,15 @@ class Adapter(Protocol):
         """
         ...
 
+    def local_values(self, variables: Sequence[Any]) -> list[Any]:
+        """The variables' values, for a computation in this process alone.
+
+        Outside the step (a check before `fit`): the values themselves,
+        or where they are laid out over several processes (JAX), host
+        copies of this process' replicated values.
+        """
+        ...
+
     def divisible_first_axis(
         self, tensor: Any, count: int, message: str
     ) -> Any:

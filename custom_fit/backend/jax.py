@@ -289,6 +289,18 @@ def secret_seeds(seed: int | None) -> Any:
     return seeds
 
 
+def local_values(variables: Sequence[Any]) -> list[Any]:
+    """Returns the variables' values; host copies over several processes.
+
+    A value laid out over several processes' devices cannot meet this
+    process' own arrays in an operation: its copy here (a replicated
+    value's) goes to the host.
+    """
+    if jax.process_count() == 1:
+        return [variable.value for variable in variables]
+    return [np.asarray(variable.value) for variable in variables]
+
+
 def share_from_first_process(variables: Sequence[Any]) -> None:
     """Assigns process 0's values of `variables` in every JAX process."""
     if jax.process_count() == 1:

@@ -127,6 +127,11 @@ def secret_seeds(seed: int | None) -> Any:
     return keras.random.SeedGenerator(seed)
 
 
+def local_values(variables: Sequence[Any]) -> list[Any]:
+    """Returns the variables' values (a worker holds every value)."""
+    return [variable.value for variable in variables]
+
+
 def share_from_first_process(variables: Sequence[Any]) -> None:
     """Does nothing: `tf.distribute` workers share initial values."""
     del variables

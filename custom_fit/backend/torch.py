@@ -440,6 +440,11 @@ def secret_seeds(seed: int | None) -> Any:
     return seeds
 
 
+def local_values(variables: Sequence[Any]) -> list[Any]:
+    """Returns the variables' tensors (each process holds its own)."""
+    return [variable.value for variable in variables]
+
+
 def share_from_first_process(variables: Sequence[Any]) -> None:
     """Assigns process 0's values of `variables` in every process."""
     if _torch_processes.world_size() == 1:

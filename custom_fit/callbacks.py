@@ -586,8 +586,9 @@ class PrivacyBudget(keras.callbacks.Callback):
             model.gradient_accumulation_steps or 1
         )
         self.sampling = self._resolved_sampling(model.expected_batch_size)
-        grouped = model.num_microbatches not in (None, self.batch_size)
-        self._noise = float(noise) / (2.0 if grouped else 1.0)
+        self._noise = float(noise) / privacy.microbatch_sensitivity(
+            model.num_microbatches, self.batch_size
+        )
         self.epsilons = []
         self._warned = False
         self._allowed = None

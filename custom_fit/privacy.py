@@ -315,6 +315,8 @@ class CalibratedNoise(float):
         steps: Integer. The private steps of the run.
         accountant: `"rdp"` or `"pld"`.
         sampling: `"poisson"` or `"shuffle"`.
+        num_microbatches: Integer or `None`: the microbatches it was
+            calibrated for (`None`: one example each).
     """
 
     target_epsilon: float
@@ -324,6 +326,7 @@ class CalibratedNoise(float):
     steps: int
     accountant: str
     sampling: str
+    num_microbatches: int | None = None
 
     def __new__(cls, value: float, **settings: Any) -> "CalibratedNoise":
         """Returns the float `value` with `settings` as attributes."""
@@ -385,6 +388,7 @@ def check_run(
     expected_batch_size: float | None,
     run: TrainingRun,
     steps_done: int,
+    num_microbatches: int | None = None,
 ) -> str:
     """Checks that a private run is accounted as its noise assumes.
 
@@ -397,6 +401,7 @@ def check_run(
         expected_batch_size: The model's `expected_batch_size`.
         run: The `TrainingRun` `fit` is about to make.
         steps_done: The private steps the model ran before this `fit`.
+        num_microbatches: The model's `num_microbatches`.
 
     Returns:
         A warning (a string) when the run goes on past the steps the noise
@@ -427,6 +432,7 @@ def check_run(
     if not isinstance(noise, CalibratedNoise):
         return ""
     _check_calibrated_run(noise, run)
+    _check_calibrated_microbatches(noise, run, num_microbatches)
     if run.steps is None or steps_done + run.steps <= noise.steps:
         return ""
     return (
@@ -504,6 +510,51 @@ def _check_calibrated_run(noise: CalibratedNoise, run: TrainingRun) -> None:
             )
 
 
+def _check_calibrated_microbatches(
+    noise: CalibratedNoise, run: TrainingRun, num_microbatches: int | None
+) -> None:
+    """Raises if the model's microbatches are not those calibrated for."""
+    batch_size = run.batch_size or noise.batch_size
+    calibrated = getattr(noise, "num_microbatches", None)
+    trained = microbatch_sensitivity(num_microbatches, batch_size)
+    if trained == microbatch_sensitivity(calibrated, noise.batch_size):
+        return
+    if trained > 1:
+        spent = ""
+        try:
+            value = _spent(
+                noise.steps,
+                noise.batch_size,
+                noise.num_examples,
+                float(noise) / trained,
+                noise.delta,
+                noise.accountant,
+                noise.sampling,
+            )
+            spent = f" (epsilon {value:.3g}, where the target was "
+            spent += f"{noise.target_epsilon})"
+        except (ImportError, ValueError):
+            pass
+        raise ValueError(
+            "The noise_multiplier was calibrated for one example per "
+            f"microbatch, and the model groups them (num_microbatches="
+            f"{num_microbatches} for batches of {batch_size}): one example "
+            "moves its microbatch's clipped gradient by up to twice the "
+            f"clip, so the run would spend more than calibrated{spent}. "
+            f"Received: num_microbatches={num_microbatches}. Calibrate "
+            "for it: custom_fit.privacy.calibrate_noise(..., "
+            f"num_microbatches={num_microbatches})."
+        )
+    raise ValueError(
+        "The noise_multiplier was calibrated for microbatches of several "
+        f"examples (num_microbatches={calibrated}), and the model clips "
+        "each example: it adds twice the noise its target needs. Received: "
+        f"num_microbatches={num_microbatches}. Calibrate without "
+        "num_microbatches, or pass the model "
+        f"num_microbatches={calibrated}."
+    )
+
+
 def _spent_by(noise: CalibratedNoise, run: TrainingRun) -> str:
     """Says what the calibrated run's steps spend when trained as `run`."""
     batch_size = run.batch_size or noise.batch_size
@@ -535,6 +586,7 @@ def calibrate_noise(
     steps: int | None = None,
     accountant: str = "rdp",
     sampling: str = "poisson",
+    num_microbatches: int | None = None,
 ) -> CalibratedNoise:
     """Returns the noise multiplier that spends `target_epsilon`, no more.
 
@@ -561,6 +613,12 @@ def calibrate_noise(
         steps: Integer or `None`. The private steps of the run.
         accountant: `"rdp"` or `"pld"`; see `epsilon`.
         sampling: `"poisson"` or `"shuffle"`; see `epsilon`.
+        num_microbatches: Integer or `None`. The model's
+            `num_microbatches`: with microbatches of several examples (a
+            number below `batch_size`), one example moves its microbatch's
+            clipped gradient by up to twice the clip, and the noise is
+            calibrated for that (twice the multiplier of one example per
+            microbatch). `None` (the default): one example per microbatch.
 
     Returns:
         A `CalibratedNoise`: a float, the noise multiplier, that remembers
@@ -577,6 +635,7 @@ def calibrate_noise(
     steps = _steps_of(steps, epochs, batch_size, num_examples, delta)
     _check_choices(accountant, sampling)
     _check_accounting(steps, batch_size, num_examples, 1.0, delta)
+    sensitivity = microbatch_sensitivity(num_microbatches, batch_size)
     if steps == 0 or not _positive(target_epsilon):
         raise ValueError(
             "`target_epsilon` must be a finite float > 0, for a run of at "
@@ -592,7 +651,7 @@ def calibrate_noise(
                 steps,
                 batch_size,
                 num_examples,
-                noise,
+                noise / sensitivity,
                 delta,
                 accountant,
                 sampling,
@@ -647,7 +706,29 @@ def calibrate_noise(
         steps=steps,
         accountant=accountant,
         sampling=sampling,
+        num_microbatches=num_microbatches,
     )
+
+
+def microbatch_sensitivity(
+    num_microbatches: int | None, batch_size: int | None
+) -> float:
+    """Returns how far one example moves its microbatch, in clips: 1 or 2.
+
+    One example per microbatch (`num_microbatches` of `None` or the batch
+    size) moves the clipped sum by at most the clip; in a microbatch of
+    several examples it moves the microbatch's clipped mean from one point
+    of the clip ball to another, up to twice the clip.
+
+    Args:
+        num_microbatches: The model's `num_microbatches`, or `None`.
+        batch_size: The batch size, or `None` (unknown).
+
+    Returns:
+        `1.0` or `2.0`.
+    """
+    grouped = num_microbatches is not None and num_microbatches != batch_size
+    return 2.0 if grouped else 1.0
 
 
 def _spent(

@@ -494,6 +494,7 @@ class DifferentialPrivacyMixin(TrainStepMixin):
             self.expected_batch_size,
             run,
             self.private_steps,
+            self.num_microbatches,
         )
         for callback in arguments.get("callbacks") or ():
             if isinstance(callback, callbacks_module.PrivacyBudget):

@@ -309,6 +309,43 @@ class CalibratedRunTest(testing.TestCase):
         with self.assertRaisesRegex(ValueError, rf"Received: .*{received}"):
             model.fit(x, y, **arguments)
 
+    def test_microbatches_need_noise_calibrated_for_them(self):
+        """Noise calibrated for one example per microbatch, trained with
+        `num_microbatches=4` (one example moves its microbatch by 2C), is
+        refused with what it would spend; calibrated with
+        `num_microbatches=4`, its half spends at most the target (within
+        1%, dp-accounting asked directly) and it trains silently; and noise
+        calibrated for microbatches is refused on a model without them."""
+        x, y = testing.classification_data(samples=512)
+        plain = self.calibrated(sampling="shuffle")
+        spent = dp_accounting_gaussian_epsilon(3, float(plain) / 2, 1e-4)
+        self.assertGreater(spent, 3.0)
+        model = self.model(plain, num_microbatches=4)
+        with self.assertRaisesRegex(
+            ValueError,
+            rf"epsilon {spent:.3g}, where the target was 3.0.*"
+            r"calibrate_noise\(\.\.\., num_microbatches=4\)",
+        ):
+            model.fit(x, y, batch_size=32, epochs=3, verbose=0)
+        self.assertEqual(model.private_steps, 0)
+        grouped = self.calibrated(sampling="shuffle", num_microbatches=4)
+        halved = dp_accounting_gaussian_epsilon(3, float(grouped) / 2, 1e-4)
+        self.assertLessEqual(halved, 3.0)
+        self.assertGreater(halved, 0.99 * 3.0)
+        budget = custom_fit.callbacks.PrivacyBudget(
+            num_examples=512, batch_size=32, delta=1e-4
+        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)
+            self.model(grouped, num_microbatches=4).fit(
+                x, y, batch_size=32, epochs=3, verbose=0, callbacks=[budget]
+            )
+        self.assertAllClose(budget.epsilons[-1], halved, rtol=1e-6)
+        with self.assertRaisesRegex(
+            ValueError, "Calibrate without num_microbatches"
+        ):
+            self.model(grouped).fit(x, y, batch_size=32, verbose=0)
+
     def test_longer_run_warns(self):
         """A fit past the calibrated steps warns that it spends more."""
         x, y = testing.classification_data(samples=512)

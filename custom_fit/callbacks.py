@@ -17,6 +17,7 @@ from typing import Any
 import keras
 import numpy as np
 
+from custom_fit import _model_state
 from custom_fit import _validation
 from custom_fit import privacy
 from custom_fit._types import Logs
@@ -482,10 +483,15 @@ class PrivacyBudget(keras.callbacks.Callback):
     model divides by their expected size (its `expected_batch_size`, which
     must equal `batch_size`): the Poisson-subsampled Gaussian mechanism,
     exact. `"shuffle"` for `fit`'s own shuffled batches of `batch_size`: a
-    Gaussian mechanism per epoch begun, a bound that holds for shuffling
-    but counts none of its amplification (see
-    `custom_fit.privacy.epsilon`). By default, `"poisson"` when the model
-    has an `expected_batch_size`, else `"shuffle"`.
+    Gaussian mechanism per pass over the data begun, a bound that holds
+    for shuffling but counts none of its amplification (see
+    `custom_fit.privacy.epsilon`); every `fit` begins a pass of its own
+    (Keras shuffles anew), so fits that stop within a pass count one each.
+    By default it follows the data `fit` trains on (arrays: `"shuffle"`; a
+    `PoissonSampler`: `"poisson"`); a `sampling` passed must agree with it.
+    For data custom_fit cannot see into (a generator, a `tf.data`
+    pipeline), `sampling` states how its batches are drawn, and is
+    required: without it the callback, and calibrated noise, are refused.
 
     Args:
         num_examples: Integer. The number of training examples.
@@ -500,8 +506,9 @@ class PrivacyBudget(keras.callbacks.Callback):
             is exceeded. Needs `max_epsilon`.
         accountant: `"rdp"` (default) or `"pld"`; see
             `custom_fit.privacy.epsilon`.
-        sampling: `"poisson"`, `"shuffle"` or `None` (chosen from the model
-            when training begins, as above).
+        sampling: `"poisson"`, `"shuffle"` or `None` (follows the data when
+            training begins, as above); required for data that does not
+            say how its batches are drawn.
 
     Attributes:
         epsilons: List of the epsilon after each epoch.
@@ -558,6 +565,10 @@ class PrivacyBudget(keras.callbacks.Callback):
         self.epsilons: list[float] = []
         self._noise = 0.0
         self._logical_batch = self.batch_size
+        # The fit's first private step, and the passes over shuffled data
+        # the model had begun before it.
+        self._fit_start = 0
+        self._passes_before = 0
         # Per fit, with `max_epsilon`: the private steps it allows, those run
         # before the epoch, and whether the warning was given.
         self._allowed: int | None = None
@@ -585,9 +596,20 @@ class PrivacyBudget(keras.callbacks.Callback):
         self._logical_batch = self.batch_size * (
             model.gradient_accumulation_steps or 1
         )
-        self.sampling = self._resolved_sampling(model.expected_batch_size)
+        run = _model_state.state_of(model).dp_run
+        self.sampling = self._resolved_sampling(
+            model.expected_batch_size, None if run is None else run.sampling
+        )
         self._noise = float(noise) / privacy.microbatch_sensitivity(
             model.num_microbatches, self.batch_size
+        )
+        self._fit_start = self._steps_run()
+        # A loaded model restarts its counts: its updates are no fewer
+        # than whole passes' worth.
+        per_pass = -(-self.num_examples // self._logical_batch)
+        self._passes_before = max(
+            _model_state.state_of(model).dp_passes,
+            -(-self._fit_start // per_pass),
         )
         self.epsilons = []
         self._warned = False
@@ -629,16 +651,44 @@ class PrivacyBudget(keras.callbacks.Callback):
         updates = int(keras.ops.convert_to_numpy(model.optimizer.iterations))
         return max(model.private_steps, updates)
 
+    @property
+    def stated_sampling(self) -> str | None:
+        """The `sampling` passed to the constructor (`None`: not stated)."""
+        return self._sampling
+
     def _spent(self, steps: int) -> float:
-        """The epsilon that `steps` private steps spend."""
+        """The epsilon that `steps` private steps spend.
+
+        For shuffled batches, a Gaussian mechanism per pass over the data
+        begun: those the fits before this one began (each fit begins its
+        own, however early it stopped), and those of this fit's steps.
+        """
+        if self.sampling == "poisson":
+            return privacy.epsilon(
+                steps,
+                self._logical_batch,
+                self.num_examples,
+                self._noise,
+                self.delta,
+                self.accountant,
+                "poisson",
+            )
+        run = privacy.TrainingRun(
+            "shuffle", self._logical_batch, self.num_examples, None, ""
+        )
+        passes = self._passes_before + privacy.passes_begun(
+            run, steps - self._fit_start
+        )
+        if passes == 0:
+            return 0.0
         return privacy.epsilon(
-            steps,
-            self._logical_batch,
-            self.num_examples,
-            self._noise,
-            self.delta,
-            self.accountant,
-            self.sampling or "shuffle",
+            batch_size=self._logical_batch,
+            num_examples=self.num_examples,
+            noise_multiplier=self._noise,
+            delta=self.delta,
+            accountant=self.accountant,
+            sampling="shuffle",
+            epochs=passes,
         )
 
     def _allowed_steps(self, done: int) -> int:
@@ -712,9 +762,15 @@ class PrivacyBudget(keras.callbacks.Callback):
             )
         self.model.stop_training = True
 
-    def _resolved_sampling(self, expected_batch_size: float | None) -> str:
-        """Returns the sampling to account, checked against the model."""
-        sampling = self._sampling
+    def _resolved_sampling(
+        self, expected_batch_size: float | None, seen: str | None
+    ) -> str:
+        """Returns the sampling to account, checked against the model.
+
+        `seen`: the fit's sampling (`privacy.stated_run`), which the
+        model's `fit` found or this callback stated.
+        """
+        sampling = self._sampling or seen
         if sampling is None:
             sampling = "shuffle" if expected_batch_size is None else "poisson"
         logical = self._logical_batch

@@ -201,8 +201,10 @@ def epsilon(
       that shuffling gives, and the Poisson figure is not a bound for it;
       this is the bound that holds: each example's one step per epoch is a
       Gaussian mechanism, composed once per epoch begun (`ceil(steps /
-      ceil(num_examples / batch_size))` epochs), amplification not
-      counted.
+      ceil(num_examples / batch_size))` epochs, for steps of whole
+      passes), amplification not counted. Fits that stop within a pass
+      each begin one: `custom_fit.callbacks.PrivacyBudget` counts them
+      (pass it `epochs=` for the passes begun).
 
     Both are for one example's presence or absence, its gradient replaced
     by zero (for Poisson sampling with a fixed divisor, the same as adding
@@ -383,6 +385,88 @@ class TrainingRun:
         self.described = described
 
 
+def stated_run(
+    run: TrainingRun, budgets: Sequence[Any], accumulation: int
+) -> TrainingRun:
+    """Returns `run`, with its sampling where a `PrivacyBudget` states it.
+
+    The one door into accounting: where custom_fit sees how the batches
+    are drawn (arrays, a `PoissonSampler`, data with a `sampling`
+    attribute), a budget's `sampling` must agree with it; where it cannot
+    (a generator, a `tf.data` pipeline), a budget's explicit `sampling`
+    (with its `batch_size` and `num_examples`) states it, and a budget
+    that states nothing is refused, as calibrated noise is (`check_run`).
+
+    Args:
+        run: The `TrainingRun` custom_fit sees.
+        budgets: The `PrivacyBudget`s among `fit`'s callbacks.
+        accumulation: The model's batches per update.
+
+    Returns:
+        A `TrainingRun`.
+
+    Raises:
+        ValueError: For a budget that states another sampling than the
+            data's, or none for data that does not say.
+    """
+    for budget in budgets:
+        stated = budget.stated_sampling
+        if run.sampling is not None:
+            if stated is not None and stated != run.sampling:
+                raise ValueError(
+                    f"PrivacyBudget is told sampling={stated!r}, and this "
+                    f"fit trains on {run.described}, which are "
+                    f"{run.sampling!r} batches: its epsilon would be that "
+                    "of another run. Received: "
+                    f"sampling={stated!r}. Leave sampling out (it follows "
+                    f"the data), or pass sampling={run.sampling!r}."
+                )
+            continue
+        if stated is None:
+            raise ValueError(
+                "PrivacyBudget cannot tell how this data draws its batches, "
+                "and the epsilon depends on it (a generator that samples "
+                "with replacement spends more than one that shuffles). "
+                f"Received: {run.described}, and sampling=None. State it: "
+                "PrivacyBudget(..., sampling='shuffle') for each example "
+                "once per pass in batches of batch_size, or "
+                "sampling='poisson' for Poisson draws of expected size "
+                "batch_size; or train on arrays or a "
+                "custom_fit.sampling.PoissonSampler."
+            )
+        run = TrainingRun(
+            stated,
+            budget.batch_size * accumulation,
+            budget.num_examples,
+            run.steps,
+            f"{run.described}, stated by PrivacyBudget as {stated!r} "
+            f"batches of batch_size={budget.batch_size}",
+        )
+    return run
+
+
+def passes_begun(run: TrainingRun | None, steps: int) -> int:
+    """Returns the passes over shuffled data that `steps` updates begin.
+
+    Each `fit` begins a pass of its own (Keras shuffles anew), and every
+    `ceil(num_examples / batch_size)` updates another: a fit that stops
+    within a pass has begun it, and an example may be in one of its steps.
+
+    Args:
+        run: The fit's `TrainingRun`, or `None`.
+        steps: The private steps (updates) the fit ran.
+
+    Returns:
+        An integer >= 0; 0 for a run that is not of shuffled batches.
+    """
+    if run is None or run.sampling != "shuffle" or steps <= 0:
+        return 0
+    if not run.batch_size or not run.num_examples:
+        return steps  # unknown pass length: one per step, never under
+    per_pass = _steps_per_epoch(run.batch_size, run.num_examples)
+    return -(-steps // per_pass)
+
+
 def check_run(
     noise: Any,
     expected_batch_size: float | None,
@@ -489,9 +573,10 @@ def _check_calibrated_run(noise: CalibratedNoise, run: TrainingRun) -> None:
             f"{noise.sampling!r} batches ({noise.describe()}), and custom_fit "
             "cannot tell how this data draws its batches. Received: "
             f"{run.described}. Train on arrays (shuffled batches) or a "
-            "custom_fit.sampling.PoissonSampler, or give the data a "
-            "`sampling` attribute ('poisson' or 'shuffle') and a "
-            "`batch_size`. " + fix
+            "custom_fit.sampling.PoissonSampler, or state the sampling: a "
+            "custom_fit.callbacks.PrivacyBudget(..., sampling=...) among "
+            "the callbacks, or a `sampling` attribute ('poisson' or "
+            "'shuffle') and a `batch_size` on the data. " + fix
         )
     received = {
         "sampling": run.sampling,

@@ -278,11 +278,16 @@ class DifferentialPrivacyMixin(TrainStepMixin):
     model's `per_example_clipping` says which path a step takes, and
     `per_example_clipping_reason` why. On the ghost path each example gets
     its own dropout draw (the batch's forward pass). The noise
-    comes from a seeded generator that is part of the model's state, so a
-    run is reproducible; under `tf.distribute` each replica clips its own
-    examples, the clipped sums are summed across replicas, and the same
-    noise is added once for the global batch (the replicas draw it from
-    the same state); on JAX the step sees the global batch.
+    comes from a generator in the model's state seeded from the operating
+    system's entropy (62 bits or more; never saved, not copied by
+    `clone_model`), so that nobody can predict it: whoever could would
+    subtract it from the released weights. `noise_seed` makes a run
+    reproducible, for tests, and warns: the seed is then as secret as the
+    data. Over several processes the seed is process 0's; under
+    `tf.distribute` each replica clips its own examples, the clipped sums
+    are summed across replicas, and the same noise is added once for the
+    global batch (the replicas draw it from the same state); on JAX the
+    step sees the global batch.
 
     A microbatch whose gradient is not finite (a NaN in an example, say)
     contributes zero to the sum and still counts among the microbatches,
@@ -304,8 +309,14 @@ class DifferentialPrivacyMixin(TrainStepMixin):
     once per update, to the sum over its `k` batches (a logical batch of
     `k` times the batch size), which is then divided by the logical
     batch's microbatch count (or `expected_batch_size`, the logical batch's
-    expected size). `private_steps` counts updates: the mechanism runs once
-    per logical batch, which is what the accountant must be told
+    expected size). An example must be in an update at most once: Poisson
+    batches come from a `PoissonSampler(..., gradient_accumulation_steps=
+    k)`, which deals one draw into the update's `k` batches; shuffled
+    batches need passes (and `steps_per_epoch`) of a whole number of
+    updates; anything else is refused before the first step, and a
+    window an earlier fit left open is dropped. `private_steps` counts
+    updates: the mechanism runs once per logical batch, which is what the
+    accountant must be told
     (`PrivacyBudget` multiplies its `batch_size` by `k`).
 
     The logged loss and metrics are those of a forward pass over the whole
@@ -315,9 +326,18 @@ class DifferentialPrivacyMixin(TrainStepMixin):
     and `custom_fit.callbacks.PrivacyBudget`; to ask for a target epsilon,
     calibrate the noise with `custom_fit.privacy.calibrate_noise`.
 
-    Layers that mix the examples of a batch (BatchNormalization in
-    training mode) break per-example privacy and are refused at the first
-    step; use `keras.layers.GroupNormalization` or `LayerNormalization`.
+    Before its first step `fit` tries the model on the first batch of its
+    data (`stateless_call`s in training mode, the model left as it was):
+    where changing one example moves another's output or loss (batch
+    statistics, a normalization or a loss over the batch axis), ghost
+    clipping is not taken; where the state a training step writes follows
+    the data (a BatchNormalization's moving statistics, at any depth) the
+    model is refused: use `keras.layers.GroupNormalization` or
+    `LayerNormalization`, or freeze the layer. Data that can be read only
+    once (a generator) is not tried, and ghost clipping is not taken.
+    What the private gradient would leave out is refused when the model is
+    built: `RegularizationMixin`'s penalties, an overridden `compute_loss`
+    or `regularization_losses`, and `SharpnessAwareMixin`.
     Dynamic loss scaling (`LossScaleOptimizer`, the `mixed_float16`
     policy) is refused too: it lowers its scale when a gradient overflows,
     a decision taken on the data; use `mixed_bfloat16`.
@@ -331,7 +351,12 @@ class DifferentialPrivacyMixin(TrainStepMixin):
         num_microbatches: Integer or `None`. The number of microbatches per
             batch, which must divide the batch size; `None` (the default)
             makes every example a microbatch.
-        noise_seed: Integer >= 0 or `None`. Seed of the noise.
+        noise_seed: Integer >= 0 or `None`. Seed of the noise, for a
+            reproducible run (warns: whoever knows it can remove the
+            noise). `None` (the default): a secret seed from the operating
+            system. Never saved; a run that continues after a given seed's
+            updates (a loaded model, `BackupAndRestore`) draws a stream of
+            its own, none of the earlier noise.
         expected_batch_size: Float > 0 or `None`. With Poisson-sampled
             batches, their expected size (`PoissonSampler.batch_size`; with
             accumulation, the logical batch's): the noisy sum is divided by
@@ -489,6 +514,12 @@ class DifferentialPrivacyMixin(TrainStepMixin):
         accumulation = self.gradient_accumulation_steps or 1
         _check_windows(arguments, accumulation)
         run = _across_processes(_training_run(arguments, accumulation))
+        budgets = [
+            callback
+            for callback in arguments.get("callbacks") or ()
+            if isinstance(callback, callbacks_module.PrivacyBudget)
+        ]
+        run = privacy.stated_run(run, budgets, accumulation)
         warning = privacy.check_run(
             self.noise_multiplier,
             self.expected_batch_size,
@@ -496,13 +527,10 @@ class DifferentialPrivacyMixin(TrainStepMixin):
             self.private_steps,
             self.num_microbatches,
         )
-        for callback in arguments.get("callbacks") or ():
-            if isinstance(callback, callbacks_module.PrivacyBudget):
-                privacy.check_accounted_run(
-                    callback.num_examples,
-                    callback.batch_size * accumulation,
-                    run,
-                )
+        for callback in budgets:
+            privacy.check_accounted_run(
+                callback.num_examples, callback.batch_size * accumulation, run
+            )
         if warning:
             warnings.warn(warning, UserWarning, stacklevel=2)
         self._check_examples_apart(arguments)
@@ -516,10 +544,15 @@ class DifferentialPrivacyMixin(TrainStepMixin):
             callbacks.append(resumed)
         else:
             arguments["callbacks"] = [*(callbacks or ()), resumed]
+        state.dp_run = run
+        started = self.private_steps
         try:
             return super().fit(**arguments)
         finally:
             state.dp_noise_drawn = True
+            state.dp_passes += privacy.passes_begun(
+                run, self.private_steps - started
+            )
 
     def _refuse_what_the_private_gradient_leaves_out(self) -> None:
         """Raises for a loss the private gradient would leave out.

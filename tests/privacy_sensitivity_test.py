@@ -17,6 +17,7 @@ import keras
 import numpy as np
 from absl.testing import parameterized
 
+import custom_fit
 from custom_fit import sampling
 from tests import testing
 from tests.privacy_test import PrivateNet
@@ -34,14 +35,10 @@ def canary_model(num_examples, **options):
     rows = keras.layers.Embedding(
         num_examples, 2, embeddings_initializer="zeros", name="table"
     )(ids)
-    model = PrivateNet(
-        ids,
-        keras.layers.Flatten()(rows),
-        l2_norm_clip=CLIP,
-        noise_multiplier=0.0,
-        **options,
+    options = {"noise_multiplier": 0.0, **options}
+    return PrivateNet(
+        ids, keras.layers.Flatten()(rows), l2_norm_clip=CLIP, **options
     )
-    return model
 
 
 def canary_data(num_examples):
@@ -406,7 +403,6 @@ class LeftOutLossTest(testing.TestCase):
         """RegularizationMixin's penalties, an overridden `compute_loss` or
         `regularization_losses`, and SAM with DP-SGD: refused at
         construction, naming what and the fix."""
-        import custom_fit
 
         class Regularized(
             custom_fit.DifferentialPrivacyMixin,
@@ -447,3 +443,188 @@ class LeftOutLossTest(testing.TestCase):
                 testing.mlp(model_class, **private, **options)
         # Without a penalty, RegularizationMixin's loss components stay.
         testing.mlp(Regularized, **private)
+
+
+def gaussian_epsilon(epochs, noise, delta):
+    """dp-accounting's epsilon of `epochs` Gaussian mechanisms (RDP)."""
+    import dp_accounting
+    from dp_accounting import rdp
+
+    ledger = rdp.RdpAccountant()
+    ledger.compose(dp_accounting.GaussianDpEvent(noise), epochs)
+    return ledger.get_epsilon(delta)
+
+
+class PassesTest(testing.TestCase):
+    """Shuffled batches: one Gaussian mechanism per pass begun."""
+
+    def test_fits_that_stop_within_a_pass_each_begin_one(self):
+        """Four fits of half a pass each (2 of 4 steps), reshuffled by each
+        fit: an example can be in an update of every fit, and the canary
+        counts examples in 3 or 4 updates; PrivacyBudget accounts 4
+        Gaussian mechanisms (dp-accounting directly), not the 2 that 8
+        steps of whole passes would be."""
+        ids, targets = canary_data(64)
+        model = canary_model(64, noise_multiplier=0.0)
+        model.compile(optimizer=keras.optimizers.SGD(1.0), loss="mse")
+        record = TableAfterEachCall()
+        for _ in range(4):
+            model.fit(
+                ids,
+                targets,
+                batch_size=16,
+                steps_per_epoch=2,
+                verbose=0,
+                callbacks=[record],
+            )
+        counts = np.round(entries_per_update(record, 16)).sum(axis=0)
+        self.assertLessEqual(counts.max(), 4)
+        # The oracle's own sampling: whether such an example was drawn.
+        self.assertGreaterEqual(counts.max(), 3)
+
+        noisy = canary_model(64, noise_multiplier=1.0)
+        noisy.compile(optimizer="sgd", loss="mse")
+        budget = custom_fit.callbacks.PrivacyBudget(
+            num_examples=64, batch_size=16, delta=1e-3
+        )
+        for _ in range(4):
+            noisy.fit(
+                ids,
+                targets,
+                batch_size=16,
+                steps_per_epoch=2,
+                verbose=0,
+                callbacks=[budget],
+            )
+        self.assertEqual(noisy.private_steps, 8)
+        self.assertAllClose(
+            budget.epsilons[-1], gaussian_epsilon(4, 1.0, 1e-3), rtol=1e-9
+        )
+
+    def test_a_fit_of_one_and_a_half_passes_begins_two(self):
+        """One fit of 3 epochs of 2 steps (4 a pass): after each epoch 1,
+        1 and 2 passes begun; then a fit of 2 steps begins a third."""
+        ids, targets = canary_data(64)
+        model = canary_model(64, noise_multiplier=1.0)
+        model.compile(optimizer="sgd", loss="mse")
+        budget = custom_fit.callbacks.PrivacyBudget(
+            num_examples=64, batch_size=16, delta=1e-3
+        )
+        model.fit(
+            ids,
+            targets,
+            batch_size=16,
+            steps_per_epoch=2,
+            epochs=3,
+            verbose=0,
+            callbacks=[budget],
+        )
+        self.assertAllClose(
+            budget.epsilons,
+            [gaussian_epsilon(n, 1.0, 1e-3) for n in (1, 1, 2)],
+            rtol=1e-9,
+        )
+        model.fit(
+            ids,
+            targets,
+            batch_size=16,
+            steps_per_epoch=2,
+            verbose=0,
+            callbacks=[budget],
+        )
+        self.assertAllClose(
+            budget.epsilons[-1], gaussian_epsilon(3, 1.0, 1e-3), rtol=1e-9
+        )
+
+
+class StatedSamplingTest(testing.TestCase):
+    """One door into accounting: data custom_fit cannot see is stated."""
+
+    def data(self):
+        ids, targets = canary_data(64)
+
+        def batches():
+            while True:
+                yield ids[:16], targets[:16]
+
+        return ids, targets, batches
+
+    def model(self, noise=1.0):
+        model = canary_model(64, noise_multiplier=noise)
+        model.compile(optimizer="sgd", loss="mse")
+        return model
+
+    def test_a_budget_on_data_that_does_not_say_is_refused(self):
+        """A generator (which could sample with replacement) with a
+        PrivacyBudget that states no sampling: refused before the first
+        step, naming the fix; stated, it trains and accounts as stated."""
+        _, _, batches = self.data()
+        model = self.model()
+        budget = custom_fit.callbacks.PrivacyBudget(
+            num_examples=64, batch_size=16, delta=1e-3
+        )
+        with self.assertRaisesRegex(
+            ValueError, r"State it: PrivacyBudget\(\.\.\., sampling='shuffle'\)"
+        ):
+            model.fit(
+                batches(),
+                steps_per_epoch=4,
+                shuffle=False,
+                verbose=0,
+                callbacks=[budget],
+            )
+        self.assertEqual(model.private_steps, 0)
+        stated = custom_fit.callbacks.PrivacyBudget(
+            num_examples=64, batch_size=16, delta=1e-3, sampling="shuffle"
+        )
+        model.fit(
+            batches(),
+            steps_per_epoch=4,
+            shuffle=False,
+            verbose=0,
+            callbacks=[stated],
+        )
+        self.assertEqual(stated.sampling, "shuffle")
+        self.assertAllClose(
+            stated.epsilons, [gaussian_epsilon(1, 1.0, 1e-3)], rtol=1e-9
+        )
+
+    def test_calibrated_noise_takes_the_budgets_statement(self):
+        """Calibrated noise on a generator: refused alone; with a budget
+        that states the calibrated sampling, it trains."""
+        _, _, batches = self.data()
+        noise = custom_fit.privacy.calibrate_noise(
+            target_epsilon=8.0,
+            delta=1e-3,
+            num_examples=64,
+            batch_size=16,
+            steps=4,
+            sampling="shuffle",
+        )
+        with self.assertRaisesRegex(ValueError, "PrivacyBudget"):
+            self.model(noise).fit(
+                batches(), steps_per_epoch=4, shuffle=False, verbose=0
+            )
+        stated = custom_fit.callbacks.PrivacyBudget(
+            num_examples=64, batch_size=16, delta=1e-3, sampling="shuffle"
+        )
+        self.model(noise).fit(
+            batches(),
+            steps_per_epoch=4,
+            shuffle=False,
+            verbose=0,
+            callbacks=[stated],
+        )
+        self.assertLessEqual(stated.epsilons[-1], 8.0)
+
+    def test_a_statement_against_what_the_data_shows_is_refused(self):
+        """Arrays are shuffled batches: a budget told 'poisson' is
+        refused."""
+        ids, targets, _ = self.data()
+        budget = custom_fit.callbacks.PrivacyBudget(
+            num_examples=64, batch_size=16, delta=1e-3, sampling="poisson"
+        )
+        with self.assertRaisesRegex(ValueError, "sampling='poisson'"):
+            self.model().fit(
+                ids, targets, batch_size=16, verbose=0, callbacks=[budget]
+            )

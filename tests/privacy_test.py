@@ -1362,8 +1362,10 @@ class PrivacyBudgetTest(testing.TestCase):
 
     def test_refuses_poisson_accounting_of_other_batches(self):
         """sampling="poisson" needs a model that divides by the same
-        expected batch size."""
+        expected batch size (Poisson batches), and Poisson batches (arrays
+        are shuffled ones)."""
         x, y = testing.classification_data(samples=2 * BATCH)
+        sampler = sampling.PoissonSampler(x, y, batch_size=BATCH)
         for options, received in (
             ({}, "expected_batch_size=None"),
             (dict(expected_batch_size=8), "expected_batch_size=8.0"),
@@ -1376,7 +1378,17 @@ class PrivacyBudgetTest(testing.TestCase):
             )
             model = self.private_model(**options)
             with self.assertRaisesRegex(ValueError, received):
-                model.fit(x, y, batch_size=BATCH, callbacks=[budget], verbose=0)
+                model.fit(sampler, callbacks=[budget], verbose=0)
+        budget = callbacks.PrivacyBudget(
+            num_examples=len(x),
+            batch_size=BATCH,
+            delta=1e-3,
+            sampling="poisson",
+        )
+        with self.assertRaisesRegex(ValueError, "pass sampling='shuffle'"):
+            self.private_model().fit(
+                x, y, batch_size=BATCH, callbacks=[budget], verbose=0
+            )
 
     def test_bad_arguments_are_refused_at_construction(self):
         for name, value in (

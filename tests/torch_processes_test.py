@@ -382,6 +382,25 @@ class TorchProcessesTest(testing.TestCase):
             1e-3,
         )
 
+    def test_accumulated_poisson_draws_hold_each_example_once(self):
+        """Gradient-space count over two processes: with a sampler that
+        deals each draw into 2 batches (each process its share of each),
+        every update holds every example 0 or 1 times, in both processes
+        and in one."""
+        for label in ("process_0", "process_1", "single"):
+            entries = self.saved[label]["canary/entries"]
+            self.assertGreater(len(entries), 10, label)
+            self.assertAllClose(
+                entries, np.round(entries), atol=1e-3, rtol=0, msg=label
+            )
+            self.assertLessEqual(float(np.round(entries).max()), 1.0, label)
+            self.assertGreaterEqual(float(np.round(entries).min()), 0.0, label)
+        self.assertAllClose(
+            self.saved["process_0"]["canary/entries"],
+            self.saved["process_1"]["canary/entries"],
+            atol=1e-6,
+        )
+
     def test_poisson_samplers_that_differ_are_refused(self):
         """Over two processes, samplers with a seed of their own, with each
         process' own data, fitted with `shuffle=True`, or a sampler in one

@@ -515,6 +515,44 @@ def poisson_private(x, y, rank, world):
     return results
 
 
+def poisson_canary():
+    """DP-SGD without noise on a `PoissonSampler` of 64 examples that deals
+    each draw into 2 batches (`gradient_accumulation_steps=2`), 10 epochs:
+    example `i` moves only row `i` of a table, by the clip (1.0) per entry
+    in an update. Returns the entries of each example in each update (the
+    table's changes times the logical batch), which must be 0 or 1."""
+    ids = np.arange(64, dtype="int32")[:, None]
+    targets = np.tile(np.asarray([[10.0, 0.0]], "float32"), (64, 1))
+    inputs = keras.Input((1,), dtype="int32")
+    rows = keras.layers.Embedding(
+        64, 2, embeddings_initializer="zeros", name="table"
+    )(inputs)
+    model = Private(
+        inputs,
+        keras.layers.Flatten()(rows),
+        l2_norm_clip=1.0,
+        noise_multiplier=0.0,
+        gradient_accumulation_steps=2,
+        expected_batch_size=16,
+    )
+    model.compile(optimizer=keras.optimizers.SGD(1.0), loss="mse")
+    tables = []
+
+    class Record(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            tables.append(model.get_layer("table").get_weights()[0])
+
+        def on_train_batch_end(self, batch, logs=None):
+            tables.append(model.get_layer("table").get_weights()[0])
+
+    sampler = custom_fit.sampling.PoissonSampler(
+        ids, targets, batch_size=8, gradient_accumulation_steps=2
+    )
+    model.fit(sampler, epochs=10, verbose=0, callbacks=[Record()])
+    changes = np.diff(np.asarray(tables, np.float64), axis=0)[..., 0] * 16
+    return {"canary/entries": changes[np.abs(changes).max(axis=1) > 1e-6]}
+
+
 def poisson_shares(epochs=50):
     """Iterates a `PoissonSampler` of 400 examples (expected batch 40) as
     `fit` feeds it, for 500 steps. Returns `(taken, rows)`: which examples
@@ -603,6 +641,7 @@ def main(argv):
         saved.update(backup_and_restore(x, y, rank, world))
     if not _ONLY.value or "poisson" in _ONLY.value:
         saved.update(poisson_private(x, y, rank, world))
+        saved.update(poisson_canary())
         own["taken"], own["rows"] = poisson_shares()
     np.savez(os.path.join(_OUTPUT_DIR.value, f"{label}_own.npz"), **own)
     saved["refused/unequal"] = np.float32(unequal_refused(x, y, rank, world))

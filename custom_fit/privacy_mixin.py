@@ -154,25 +154,25 @@ def _check_windows(arguments: dict[str, Any], accumulation: int) -> None:
     Raises:
         ValueError: Naming the data's figures and the fix.
     """
-    if accumulation == 1:
-        return
     x = arguments.get("x")
     per_epoch = arguments.get("steps_per_epoch")
     sampling = getattr(x, "sampling", None)
     name = f"gradient_accumulation_steps={accumulation}"
+    split = getattr(x, "gradient_accumulation_steps", 1)
+    if sampling == "poisson" and split != accumulation:
+        raise ValueError(
+            f"With {name} on the model, an update's {accumulation} "
+            "batch(es) must be one Poisson draw, as the accountant counts it "
+            f"(one draw at {accumulation} times the sampler's rate): a draw "
+            "per batch could put an example in one update several times, "
+            "and a draw dealt over several updates is no Poisson draw per "
+            f"update. Received: a {type(x).__name__} that serves each draw "
+            f"as {split} batch(es). Pass the same number to the sampler: "
+            f"PoissonSampler(x, y, batch_size=..., {name})."
+        )
+    if accumulation == 1:
+        return
     if sampling == "poisson":
-        split = getattr(x, "gradient_accumulation_steps", 1)
-        if split != accumulation:
-            raise ValueError(
-                f"With {name}, an update's {accumulation} batches must be "
-                "one Poisson draw, as the accountant counts it (one draw at "
-                f"{accumulation} times the rate): {accumulation} draws of "
-                "their own could put an example in one update up to "
-                f"{accumulation} times. Received: a {type(x).__name__} that "
-                f"serves each draw as {split} batch(es). Pass {name} to the "
-                "sampler too: PoissonSampler(x, y, batch_size=..., "
-                f"{name})."
-            )
         if arguments.get("shuffle"):
             raise ValueError(
                 f"With {name}, the batches of one draw must reach the step "

@@ -75,7 +75,9 @@ class JaxMultiProcessTest(testing.TestCase):
         draws make one Poisson draw each (chi-square), samplers with a seed
         per process are refused, and so is the sampler with Keras' own
         sharding on (`auto_shard_dataset = True`, Keras' error); without
-        seeds, the processes share process 0's secret ones."""
+        seeds, the processes share process 0's secret ones; a canary model
+        counts each example at most once per update of accumulated Poisson
+        draws."""
         from tests.privacy_test import dp_accounting_epsilon
 
         output_dir = tempfile.mkdtemp()
@@ -108,6 +110,14 @@ class JaxMultiProcessTest(testing.TestCase):
                 self.assertAllClose(
                     run[f"weight_{i}"], single[f"weight_{i}"], atol=1e-6
                 )
+        # Gradient-space count: every update holds every example 0 or 1
+        # times, over two processes as in one.
+        for label, run in saved.items():
+            entries = run["canary_entries"]
+            self.assertGreater(len(entries), 10, label)
+            self.assertAllClose(entries, np.round(entries), atol=1e-3, rtol=0)
+            self.assertLessEqual(float(np.round(entries).max()), 1.0, label)
+            self.assertGreaterEqual(float(np.round(entries).min()), 0.0)
         # Secret seeds (noise and sampler): process 0's in both processes,
         # another draw in the single process.
         for i in range(4):

@@ -149,6 +149,19 @@ class PoissonAccumulationTest(testing.TestCase):
             model.fit(sampler, verbose=0)
         self.assertEqual(model.private_steps, 0)
 
+    def test_a_split_draw_without_accumulation_is_refused(self):
+        """A sampler that deals each draw into 4 batches, for a model that
+        updates at every batch: each update would be a part of a draw, no
+        Poisson draw of its own. Refused, naming the fix."""
+        ids, targets = canary_data(64)
+        sampler = sampling.PoissonSampler(
+            ids, targets, batch_size=8, gradient_accumulation_steps=4
+        )
+        model = canary_model(64, expected_batch_size=32)
+        model.compile(optimizer="sgd", loss="mse")
+        with self.assertRaisesRegex(ValueError, "serves each draw as 4 batch"):
+            model.fit(sampler, verbose=0)
+
     def test_shuffling_a_split_draw_is_refused(self):
         """`shuffle=True` would mix the batches of several draws in one
         update: refused."""

@@ -127,6 +127,47 @@ def train(process, processes, label):
             saved["refused_auto_shard"] = np.float32(1)
         distribution.auto_shard_dataset = False
 
+    # Gradient-space count: example i moves only row i of a table, by the
+    # clip per entry in an update; each draw dealt into 2 batches.
+    ids = np.arange(64, dtype="int32")[:, None]
+    targets = np.tile(np.asarray([[10.0, 0.0]], "float32"), (64, 1))
+    inputs = keras.Input((1,), dtype="int32")
+    rows = keras.layers.Embedding(
+        64, 2, embeddings_initializer="zeros", name="table"
+    )(inputs)
+    canary = Private(
+        inputs,
+        keras.layers.Flatten()(rows),
+        l2_norm_clip=1.0,
+        noise_multiplier=0.0,
+        gradient_accumulation_steps=2,
+        expected_batch_size=16,
+    )
+    canary.compile(optimizer=keras.optimizers.SGD(1.0), loss="mse")
+    tables = [canary.get_layer("table").get_weights()[0]]
+
+    class Record(keras.callbacks.Callback):
+        # Under a distribution Keras' JAX trainer holds the weights outside
+        # the variables until an epoch ends: an epoch is one update here.
+        def on_epoch_end(self, epoch, logs=None):
+            tables.append(canary.get_layer("table").get_weights()[0])
+
+    canary.fit(
+        custom_fit.sampling.PoissonSampler(
+            ids,
+            targets,
+            batch_size=8,
+            gradient_accumulation_steps=2,
+            pad_to_multiple_of=8,
+        ),
+        steps_per_epoch=2,
+        epochs=40,
+        verbose=0,
+        callbacks=[Record()],
+    )
+    changes = np.diff(np.asarray(tables, np.float64), axis=0)[..., 0] * 16
+    saved["canary_entries"] = changes[np.abs(changes).max(axis=1) > 1e-6]
+
     # The shares of 500 draws of 400 examples (q = 0.1), as fit feeds them.
     ids = np.arange(400, dtype="float32")[:, None]
     draws = custom_fit.sampling.PoissonSampler(

@@ -17,7 +17,8 @@ tries the model before its first step, on the first batch of its data:
   differ: a variable that does (a BatchNormalization's moving statistics,
   at any depth) carries the data, noise-free (`leaks`).
 
-Both passes are `stateless_call`s: the model's variables are left as they
+Both passes are `stateless_call`s (compiled once on JAX, whose eager
+operations compile one by one): the model's variables are left as they
 were. The check proves what it sees (a forward pass, one batch); code that
 hides the mixing from the forward pass (a `stop_gradient` that keeps the
 values and mixes only the gradient) it cannot see.
@@ -28,7 +29,6 @@ from typing import Any
 
 import keras
 import numpy as np
-from keras import ops
 
 from custom_fit import _fit_data
 from custom_fit import _keras_compat
@@ -119,11 +119,25 @@ def probe(model: Any, batch: tuple[Any, Any, Any]) -> Probe:
 
     if not model.built:
         model(x, training=False)
-    first = _training_pass(model, x, y)
-    second = _training_pass(
-        model,
-        keras.tree.map_structure(changed, x),
-        keras.tree.map_structure(changed, y),
+    _keras_compat.build_compiled_loss(model, x, y)
+    adapter = backend.current()
+    trainable = adapter.local_values(model.trainable_variables)
+    non_trainable = adapter.local_values(model.non_trainable_variables)
+
+    def training_pass(x: Any, y: Any) -> tuple[Any, Any, Any]:
+        y_pred, state = model.stateless_call(
+            trainable, non_trainable, x, training=True
+        )
+        losses = dict(_keras_compat.example_loss_values(model, y, y_pred))
+        return keras.tree.flatten(y_pred), losses, state
+
+    run = adapter.compiled(training_pass)
+    first = _numpy(run(x, y))
+    second = _numpy(
+        run(
+            keras.tree.map_structure(changed, x),
+            keras.tree.map_structure(changed, y),
+        )
     )
     return Probe(
         checked=True,
@@ -155,24 +169,13 @@ class _Pass:
     state: list[np.ndarray]
 
 
-def _training_pass(model: Any, x: Any, y: Any) -> _Pass:
-    """Runs the model in training mode from its current variables."""
-    adapter = backend.current()
-    trainable = adapter.local_values(model.trainable_variables)
-    non_trainable = adapter.local_values(model.non_trainable_variables)
-    y_pred, state = model.stateless_call(
-        trainable, non_trainable, x, training=True
-    )
+def _numpy(found: tuple[Any, Any, Any]) -> _Pass:
+    """A pass's outputs, compiled losses and written state, on the host."""
+    outputs, losses, state = found
     numpy = keras.ops.convert_to_numpy
-    losses = [
-        (name, numpy(values))
-        for name, values in _keras_compat.example_loss_values(
-            model, keras.tree.map_structure(ops.convert_to_tensor, y), y_pred
-        )
-    ]
     return _Pass(
-        outputs=[numpy(t) for t in keras.tree.flatten(y_pred)],
-        losses=losses,
+        outputs=[numpy(t) for t in outputs],
+        losses=[(name, numpy(values)) for name, values in losses.items()],
         state=[numpy(t) for t in state],
     )
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from typing import Any
 
 import keras
+import numpy as np
 from keras import ops
 
 from custom_fit import _model_state
@@ -255,14 +256,34 @@ def summed_example_losses(
     return total, ""
 
 
+def build_compiled_loss(model: keras.Model, x: Any, y: Any) -> None:
+    """Builds the model's compiled loss (`_compile_loss`) for a batch.
+
+    As Keras builds it before the first step, from the output's symbolic
+    shapes (`compute_output_spec`): nothing runs.
+
+    Args:
+        model: A compiled, built model.
+        x: The inputs of a batch.
+        y: Its targets.
+    """
+    compile_loss = getattr(model, "_compile_loss", None)
+    if compile_loss is not None and not compile_loss.built:
+        specs = keras.tree.map_structure(
+            lambda t: keras.KerasTensor(np.shape(t), np.asarray(t).dtype), x
+        )
+        compile_loss.build(y, model.compute_output_spec(specs))
+
+
 def example_loss_values(
     model: keras.Model, y: Any, y_pred: Any
 ) -> list[tuple[str, Any]]:
     """Returns each compiled loss's values before its reduction.
 
-    For a check outside the step: the compiled loss (`_compile_loss`) is
-    built first where no step has built it, as Keras builds it at the
-    first step. One value per example has the batch as its first axis.
+    For a check outside the step, the compiled loss (`_compile_loss`)
+    built (`build_compiled_loss`; else it is built here, as Keras builds it
+    at the first step). One value per example has the batch as its first
+    axis.
 
     Args:
         model: A compiled model.

@@ -150,6 +150,15 @@ class Adapter(Protocol):
         """
         ...
 
+    def compiled(self, function: Callable[..., Any]) -> Callable[..., Any]:
+        """A pure `function` of tensors, for a few calls outside the step.
+
+        Compiled where the backend's eager operations each compile on their
+        first call (JAX: `jax.jit`, one compilation for the whole
+        function); as it is elsewhere.
+        """
+        ...
+
     def local_values(self, variables: Sequence[Any]) -> list[Any]:
         """The variables' values, for a computation in this process alone.
 

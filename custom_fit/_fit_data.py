@@ -200,6 +200,14 @@ def check_processes_agree(
         for j, name in enumerate(_SAMPLER_FIGURES)
         if columns[:, j].min() != columns[:, j].max()
     ]
+    if gathered[:, given_at].min() != gathered[:, given_at].max():
+        raise ValueError(
+            f"Every process must make the same {type(x).__name__}: a seed "
+            "given in every process, or in none (fit then hands process "
+            "0's secret seed to the others). Received: a seed given in "
+            f"{int(gathered[:, given_at].sum())} of {processes} processes. "
+            "Give the same seed everywhere, or leave it out everywhere."
+        )
     if len(seeds) > 1:
         differing.insert(0, "seed")
         figures["seed"] = "given" if given else "secret"

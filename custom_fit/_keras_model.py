@@ -283,6 +283,7 @@ class KerasModel(_ModelBase):
             _fit_data.fit_batches(arguments), x, shuffled
         )
         if _fit_data.is_sampler(x):
+            backend.current().check_sampler(x)
             # Its batches are independent draws: in order by default, so
             # one process trains on the batches several processes do.
             arguments.setdefault("shuffle", False)

@@ -152,25 +152,26 @@ def add_noise(
     return backend.current().add_noise(list(gradients), stddev, seeds)
 
 
-def stream_key(seed: int, updates: int) -> int:
-    """Returns the seed of a run that continues after `updates` updates.
+def stream_key(seed: int, updates: int, start: bytes) -> int:
+    """Returns the key of a run's stream from a given seed.
 
-    A generator seeded with a given `noise_seed`, made anew for a run that
-    continues an earlier one, takes this seed instead, so that it draws
-    none of the earlier run's noise again (the earlier run's streams start
-    from `seed` itself).
+    A run with a given seed (`noise_seed`, a sampler's `seed`) draws from
+    a stream keyed with where it starts: the model's update count and a
+    digest of its weights. The same seed and the same starting model give
+    the same run (reproducible); a run that continues an earlier one (a
+    loaded model, `BackupAndRestore`, weights loaded into a new model)
+    starts elsewhere, and draws none of the earlier run's noise or batches.
 
     Args:
         seed: Integer >= 0, the given seed.
-        updates: Integer >= 1, the updates the model had made.
+        updates: Integer >= 0, the updates the model had made.
+        start: Bytes, a digest of the model's weights when the run starts.
 
     Returns:
         An integer in `[0, 2**31)`.
     """
-    digest = hashlib.blake2b(
-        f"{seed}:{updates}".encode(), digest_size=4
-    ).digest()
-    return int.from_bytes(digest, "little") % (2**31 - 1)
+    digest = hashlib.blake2b(f"{seed}:{updates}:".encode() + start)
+    return int.from_bytes(digest.digest()[:8], "little") % (2**31 - 1)
 
 
 def epsilon(
@@ -473,6 +474,7 @@ def check_run(
     run: TrainingRun,
     steps_done: int,
     num_microbatches: int | None = None,
+    accumulation: int = 1,
 ) -> str:
     """Checks that a private run is accounted as its noise assumes.
 
@@ -486,6 +488,8 @@ def check_run(
         run: The `TrainingRun` `fit` is about to make.
         steps_done: The private steps the model ran before this `fit`.
         num_microbatches: The model's `num_microbatches`.
+        accumulation: The model's batches per update (its microbatches
+            split each of them).
 
     Returns:
         A warning (a string) when the run goes on past the steps the noise
@@ -516,7 +520,7 @@ def check_run(
     if not isinstance(noise, CalibratedNoise):
         return ""
     _check_calibrated_run(noise, run)
-    _check_calibrated_microbatches(noise, run, num_microbatches)
+    _check_calibrated_microbatches(noise, run, num_microbatches, accumulation)
     if run.steps is None or steps_done + run.steps <= noise.steps:
         return ""
     return (
@@ -596,10 +600,14 @@ def _check_calibrated_run(noise: CalibratedNoise, run: TrainingRun) -> None:
 
 
 def _check_calibrated_microbatches(
-    noise: CalibratedNoise, run: TrainingRun, num_microbatches: int | None
+    noise: CalibratedNoise,
+    run: TrainingRun,
+    num_microbatches: int | None,
+    accumulation: int,
 ) -> None:
     """Raises if the model's microbatches are not those calibrated for."""
-    batch_size = run.batch_size or noise.batch_size
+    # The microbatches split each batch the step sees, not the update's.
+    batch_size = (run.batch_size or noise.batch_size) // accumulation
     calibrated = getattr(noise, "num_microbatches", None)
     trained = microbatch_sensitivity(num_microbatches, batch_size)
     if trained == microbatch_sensitivity(calibrated, noise.batch_size):

@@ -1,11 +1,13 @@
 """`DifferentialPrivacyMixin`: DP-SGD inside `fit`."""
 
+import hashlib
 import warnings
 from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
 
 import keras
+import numpy as np
 from keras import ops
 
 from custom_fit import _fit_data
@@ -137,13 +139,71 @@ def _across_processes(run: privacy.TrainingRun) -> privacy.TrainingRun:
     )
 
 
+def _strictest_over_processes(found: _independence.Probe) -> Any:
+    """The strictest verdict of every process' check (one collective).
+
+    Where several processes each feed their share, each tried its own
+    first batch: all must take the same path (ghost clipping or not) and
+    refuse together, or the others would wait in a collective.
+    """
+    if backend.current().data_shards()[0] == 1:
+        return found
+    flags = [
+        int(bool(found.leaks)),
+        int(bool(found.mixing)),
+        int(found.checked),
+    ]
+    rows = backend.current().gather_from_processes(flags)
+    leaks = found.leaks or (
+        "in another process (each process tried its first batch)"
+        if rows[:, 0].max()
+        else ""
+    )
+    mixing = found.mixing or (
+        "the check of another process' first batch found the examples mixed"
+        if rows[:, 1].max()
+        else ""
+    )
+    return _independence.Probe(
+        checked=bool(rows[:, 2].min()), mixing=mixing, leaks=leaks
+    )
+
+
 def _library_class(cls: type) -> bool:
     """Whether `cls` is Keras' or custom_fit's (not a user's)."""
     module = cls.__module__ or ""
     return module.split(".")[0] in ("keras", "custom_fit")
 
 
-def _check_windows(arguments: dict[str, Any], accumulation: int) -> None:
+def _check_padded_shares(x: Any) -> None:
+    """Refuses a distributed sampler that repeats examples to even shares.
+
+    PyTorch's `DistributedSampler` with `drop_last=False` pads the shares
+    with repeated examples, which then enter a pass twice.
+
+    Raises:
+        ValueError: Naming the fix.
+    """
+    sampler = getattr(x, "sampler", None)
+    replicas = getattr(sampler, "num_replicas", 1)
+    size = len(getattr(sampler, "dataset", ()) or ())
+    if (
+        getattr(sampler, "drop_last", True) is False
+        and isinstance(replicas, int)
+        and replicas > 1
+        and size % replicas
+    ):
+        raise ValueError(
+            "A distributed sampler that pads its shares repeats examples "
+            f"({size} examples over {replicas} processes): a repeated "
+            "example is in a pass twice, and the accountant counts one. "
+            "Received: drop_last=False. Make it with drop_last=True."
+        )
+
+
+def _check_windows(
+    arguments: dict[str, Any], accumulation: int, stated: str | None = None
+) -> None:
     """Refuses accumulation windows in which an example could count twice.
 
     With `accumulation` batches per update, each update must hold one
@@ -154,9 +214,9 @@ def _check_windows(arguments: dict[str, Any], accumulation: int) -> None:
     Raises:
         ValueError: Naming the data's figures and the fix.
     """
-    x = arguments.get("x")
+    x: Any = arguments.get("x")
     per_epoch = arguments.get("steps_per_epoch")
-    sampling = getattr(x, "sampling", None)
+    sampling = getattr(x, "sampling", None) or stated
     name = f"gradient_accumulation_steps={accumulation}"
     split = getattr(x, "gradient_accumulation_steps", 1)
     if sampling == "poisson" and split != accumulation:
@@ -173,6 +233,16 @@ def _check_windows(arguments: dict[str, Any], accumulation: int) -> None:
     if accumulation == 1:
         return
     if sampling == "poisson":
+        if per_epoch is not None and per_epoch % len(x):
+            raise ValueError(
+                f"With {name} on Poisson draws, an epoch must be whole "
+                "passes of the sampler's batches: Keras keeps its iterator "
+                "across shorter epochs and reads ahead, so one update could "
+                "take parts of two draws (of two epochs), in which an "
+                f"example could count twice. Received: steps_per_epoch="
+                f"{per_epoch} for a sampler of {len(x)} batches. Leave "
+                "steps_per_epoch out."
+            )
         if arguments.get("shuffle"):
             raise ValueError(
                 f"With {name}, the batches of one draw must reach the step "
@@ -182,15 +252,24 @@ def _check_windows(arguments: dict[str, Any], accumulation: int) -> None:
                 "shuffle out (the draws are random already)."
             )
     passes = None
-    if sampling == "shuffle" and hasattr(x, "__len__"):
-        passes = len(x)  # type: ignore[arg-type]
-    elif _fit_data.is_arrays(x):
+    if _fit_data.is_arrays(x):
         examples = _fit_data.array_examples(
             x, arguments.get("validation_split")
         )
         passes = _fit_data.array_batches(examples, arguments.get("batch_size"))[
             1
         ]
+    elif sampling == "shuffle":
+        passes = _fit_data.batches_per_epoch(x)
+        if passes is None:
+            raise ValueError(
+                f"With {name}, every update's window must lie in one pass "
+                "over the shuffled data, and custom_fit cannot tell how many "
+                "batches a pass of this data holds. Received: "
+                f"{type(x).__name__} data, stated as shuffled batches. Train "
+                "on data with a length (arrays, a PyDataset, a DataLoader), "
+                "or without accumulation."
+            )
     for what, count in (
         ("batches in a pass over the data", passes),
         ("steps_per_epoch", per_epoch),
@@ -208,41 +287,58 @@ def _check_windows(arguments: dict[str, Any], accumulation: int) -> None:
 
 
 class _ResumedRun(keras.callbacks.Callback):
-    """Keeps a run that continues an earlier one from replaying it.
+    """Keys a run with given seeds by where it starts.
 
     Runs after the user's callbacks, once `BackupAndRestore` has restored
-    the model. A model with updates (loaded, or restored), whose generator
-    from a given `noise_seed` has drawn nothing in this process, continues
-    a stream keyed with its update count instead of the earlier run's
-    from its start; a sampler with a given seed that has trained no epoch
-    likewise (`PoissonSampler.continue_after`). Secret seeds need nothing:
-    a new model or sampler draws a new one.
+    the model. A generator from a given `noise_seed` that has drawn nothing
+    in this process, and a sampler with a given seed that has trained no
+    epoch, take streams keyed with the model's update count and a digest
+    of its weights (`privacy.stream_key`): reproducible from the same
+    start, and none of an earlier run's draws when the run continues one
+    (a loaded model, weights loaded into a new one). Secret seeds need
+    nothing: a new model or sampler draws a new one.
     """
 
     def __init__(self, model: Any, sampler: Any) -> None:
         super().__init__()
         self._private = model
         self._sampler = sampler
+        # The optimizer's updates when training begins (restored ones
+        # included), for `fit`'s count of updates against private steps.
+        self.updates_at_start: int | None = None
 
     def on_train_begin(self, logs: Any = None) -> None:
         model = self._private
-        updates = int(ops.convert_to_numpy(model.optimizer.iterations))
-        if not updates:
-            return
+        self.updates_at_start = int(
+            ops.convert_to_numpy(model.optimizer.iterations)
+        )
         state = _model_state.state_of(model)
-        if model.noise_seed is not None and not state.dp_noise_drawn:
+        noise = model.noise_seed is not None and not state.dp_noise_drawn
+        sampler = self._sampler
+        given = getattr(sampler, "seed_given", False)
+        # Keras ends an epoch before the first one: no epoch trained.
+        fresh = given and sampler.epoch <= 1
+        if not (noise or fresh):
+            return
+        updates = self.updates_at_start
+        start = _weights_digest(model)
+        if noise:
             seeds = state.dp_seeds.state
-            key = privacy.stream_key(model.noise_seed, updates)
+            key = privacy.stream_key(model.noise_seed, updates, start)
             seeds.assign(ops.cast([key, 0], seeds.dtype))
             state.dp_noise_drawn = True
-        sampler = self._sampler
-        if (
-            sampler is not None
-            and getattr(sampler, "seed_given", False)
-            # Keras ends an epoch before the first one: no epoch trained.
-            and sampler.epoch <= 1
-        ):
-            sampler.continue_after(updates)
+        if fresh:
+            sampler.continue_after(privacy.stream_key(0, updates, start) + 1)
+
+
+def _weights_digest(model: Any) -> bytes:
+    """A digest of the model's weights (their values, in order)."""
+    digest = hashlib.blake2b(digest_size=16)
+    for value in backend.current().local_values(model.weights):
+        digest.update(
+            np.ascontiguousarray(ops.convert_to_numpy(value)).tobytes()
+        )
+    return digest.digest()
 
 
 class DifferentialPrivacyMixin(TrainStepMixin):
@@ -512,7 +608,6 @@ class DifferentialPrivacyMixin(TrainStepMixin):
         arguments = dict(bound.arguments)
         del arguments["self"]
         accumulation = self.gradient_accumulation_steps or 1
-        _check_windows(arguments, accumulation)
         run = _across_processes(_training_run(arguments, accumulation))
         budgets = [
             callback
@@ -520,12 +615,16 @@ class DifferentialPrivacyMixin(TrainStepMixin):
             if isinstance(callback, callbacks_module.PrivacyBudget)
         ]
         run = privacy.stated_run(run, budgets, accumulation)
+        _check_windows(arguments, accumulation, run.sampling)
+        _check_padded_shares(arguments.get("x"))
+        updates = int(ops.convert_to_numpy(self.optimizer.iterations))
         warning = privacy.check_run(
             self.noise_multiplier,
             self.expected_batch_size,
             run,
-            self.private_steps,
+            max(self.private_steps, updates),
             self.num_microbatches,
+            accumulation,
         )
         for callback in budgets:
             privacy.check_accounted_run(
@@ -536,23 +635,43 @@ class DifferentialPrivacyMixin(TrainStepMixin):
         self._check_examples_apart(arguments)
         self._close_open_windows()
         state = _model_state.state_of(self)
-        backend.current().share_from_first_process([state.dp_seeds.state])
+        backend.current().agree_on_seeds(
+            state.dp_seeds, given=self.noise_seed is not None
+        )
         x = arguments.get("x")
         resumed = _ResumedRun(self, x if _fit_data.is_sampler(x) else None)
         callbacks = arguments.get("callbacks")
         if isinstance(callbacks, keras.callbacks.CallbackList):
             callbacks.append(resumed)
         else:
-            arguments["callbacks"] = [*(callbacks or ()), resumed]
+            # After the user's (`BackupAndRestore` restores first), the
+            # budgets, then the resumed run's keys: all see the restored
+            # model.
+            others = [c for c in callbacks or () if c not in budgets]
+            arguments["callbacks"] = [*others, *budgets, resumed]
         state.dp_run = run
         started = self.private_steps
         try:
-            return super().fit(**arguments)
+            history = super().fit(**arguments)
         finally:
             state.dp_noise_drawn = True
-            state.dp_passes += privacy.passes_begun(
-                run, self.private_steps - started
-            )
+            ran = self.private_steps - started
+            state.dp_passes += privacy.passes_begun(run, ran)
+        if resumed.updates_at_start is not None:
+            # From the updates when training began (restored ones counted).
+            made = int(ops.convert_to_numpy(self.optimizer.iterations))
+            made -= resumed.updates_at_start
+            if made > ran:
+                raise RuntimeError(
+                    f"The optimizer made {made} updates in this "
+                    f"fit, and the private mechanism ran {ran} times: some "
+                    "updates did not go through DifferentialPrivacyMixin's "
+                    "step (a step, callback or optimizer of your own "
+                    "applied gradients), and the weights are not private. "
+                    "Received: those extra updates. Update the weights only "
+                    "through the model's step."
+                )
+        return history
 
     def _refuse_what_the_private_gradient_leaves_out(self) -> None:
         """Raises for a loss the private gradient would leave out.
@@ -579,6 +698,21 @@ class DifferentialPrivacyMixin(TrainStepMixin):
                 "for a weight penalty a layer's kernel_regularizer (in "
                 "model.losses, clipped with each example's gradient)."
             )
+        for hook in ("train_step", "compute_gradients", "finalize_gradients"):
+            owner = next(
+                (k for k in type(self).__mro__ if hook in vars(k)), None
+            )
+            if owner is not None and not _library_class(owner):
+                raise ValueError(
+                    "DifferentialPrivacyMixin's step clips each example's "
+                    "gradient and adds the noise; a step of your own could "
+                    "update the weights without either, and the accountant "
+                    "would still count the run as private. Received: a "
+                    f"model class that overrides `{hook}` "
+                    f"({owner.__name__}). Change the update after the noise "
+                    "instead (override `transform_gradients`, which sees "
+                    "the private gradient), or train without the mixin."
+                )
         for hook in ("compute_loss", "regularization_losses"):
             owner = next(
                 (k for k in type(self).__mro__ if hook in vars(k)), None
@@ -625,6 +759,7 @@ class DifferentialPrivacyMixin(TrainStepMixin):
             if batch is None
             else _independence.probe(self, batch)
         )
+        found = _strictest_over_processes(found)
         if found.leaks:
             raise ValueError(
                 "DifferentialPrivacyMixin: a training step of this model "
@@ -666,6 +801,27 @@ class DifferentialPrivacyMixin(TrainStepMixin):
         if reason and not state.dp_ghost_blocker:
             state.dp_ghost_blocker = reason
         state.dp_probed = True
+
+    def train_on_batch(self, *args: Any, **kwargs: Any) -> Any:
+        """Refused: a private model trains with `fit`.
+
+        `fit` checks the run against the accountant before its first step
+        (the sampling, the accumulation windows, the model on its first
+        batch, the noise's secret seed over processes); a batch given by
+        hand passes none of those checks, and no accountant sees it.
+
+        Raises:
+            ValueError: Always.
+        """
+        raise ValueError(
+            "DifferentialPrivacyMixin trains with `fit`, which checks the "
+            "run against the accountant before its first step (how the "
+            "batches are drawn, the model's examples kept apart, the "
+            "noise's seed) and counts every private step; a batch given by "
+            "hand passes none of those checks. Received: a call of "
+            "train_on_batch. Call fit(x, y, batch_size=..., epochs=1) (or "
+            "fit on a PoissonSampler)."
+        )
 
     def _close_open_windows(self) -> None:
         """Drops the sums of an update's window an earlier fit left open.

@@ -105,9 +105,10 @@ class PoissonSampler(keras.utils.PyDataset):
     that the accountant counts: leave `seed` out (128 bits drawn from the
     operating system, never saved) unless a run must be reproducible, and
     then keep the seed as secret as the data (passing one warns). A sampler
-    with a seed that a private model trains after an earlier run (a model
-    loaded, or restored by `BackupAndRestore`) continues the stream instead
-    of drawing the first run's batches again (`continue_after`).
+    with a seed that a private model trains draws from a stream keyed with
+    where the run starts (the model's updates and weights: `continue_after`),
+    so that a run that continues an earlier one (a model loaded, or
+    restored by `BackupAndRestore`) draws none of its batches again.
     A custom_fit model's `fit` asks for the batches in order unless given
     `shuffle=True` (the batches are independent, so their order changes
     nothing, and in order one process trains on the same batches as
@@ -308,19 +309,20 @@ class PoissonSampler(keras.utils.PyDataset):
         """
         self._entropy = _joined([int(c) for c in chunks])
 
-    def continue_after(self, updates: int) -> None:
-        """Continues the stream of a run resumed after `updates` updates.
+    def continue_after(self, start: int) -> None:
+        """Keys the draws with where the run starts.
 
-        The draws from now on are keyed with `updates` too, so that a
-        sampler with a given seed, made anew for a run that continues an
-        earlier one (a loaded model, `BackupAndRestore`), draws none of the
-        earlier run's batches again. A private model's `fit` calls it when
-        its sampler has trained no epoch yet and the model has updates.
+        A private model's `fit` calls it for a sampler with a given seed
+        that has trained no epoch, with a key of the model's update count
+        and weights (`custom_fit.privacy.stream_key`): the same start draws
+        the same batches (a reproducible run), and a run that continues an
+        earlier one (a loaded model, `BackupAndRestore`) none of the earlier
+        run's.
 
         Args:
-            updates: Integer >= 1. The updates the model had made.
+            start: Integer >= 1. The key of the run's start.
         """
-        self._stream = int(updates)
+        self._stream = int(start)
 
     def use_share(self, processes: int, index: int) -> None:
         """Fixes the share this process feeds: `index` of `processes`.

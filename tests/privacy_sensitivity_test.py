@@ -15,6 +15,7 @@ every path the mixin accepts:
 
 import keras
 import numpy as np
+import pytest
 from absl.testing import parameterized
 
 import custom_fit
@@ -641,3 +642,191 @@ class StatedSamplingTest(testing.TestCase):
             self.model().fit(
                 ids, targets, batch_size=16, verbose=0, callbacks=[budget]
             )
+
+
+class RunningMean(keras.layers.Layer):
+    """A custom layer that keeps a running mean of its inputs in training
+    (momentum 0.999, as slow as BatchNormalization's defaults allow), and
+    centres by the batch's mean: its state and its rows follow the batch."""
+
+    def build(self, input_shape):
+        self.mean = self.add_weight(
+            shape=(input_shape[-1],), initializer="zeros", trainable=False
+        )
+
+    def call(self, inputs, training=None):
+        if training:
+            batch_mean = keras.ops.mean(inputs, axis=0)
+            self.mean.assign(0.999 * self.mean + 0.001 * batch_mean)
+            return inputs - batch_mean
+        return inputs - self.mean
+
+
+class ReviewedPathsTest(testing.TestCase):
+    """Paths an adversarial review of this work found open."""
+
+    def test_a_slow_running_mean_over_a_large_batch_is_refused(self):
+        """Batches of 256 and a running mean with momentum 0.999: the
+        check (on a few of the batch's examples) still sees the state
+        follow the data, and refuses."""
+        keras.utils.set_random_seed(0)
+        x = np.random.default_rng(0).normal(size=(512, 6)).astype("float32")
+        y = (x[:, 0] > 0).astype("int32")
+        inputs = keras.Input((6,))
+        hidden = RunningMean()(keras.layers.Dense(8)(inputs))
+        model = PrivateNet(
+            inputs,
+            keras.layers.Dense(2)(hidden),
+            l2_norm_clip=1.0,
+            noise_multiplier=1.0,
+        )
+        model.compile(
+            optimizer="sgd",
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+        with self.assertRaisesRegex(ValueError, "running_mean|mean"):
+            model.fit(x, y, batch_size=256, verbose=0)
+
+    def test_a_step_of_ones_own_is_refused(self):
+        """A private model class that overrides `train_step` (which could
+        update without clipping or noise) is refused when built, and
+        `train_on_batch` (which skips fit's checks) is refused."""
+
+        class OwnStep(PrivateNet):
+            def train_step(self, data):
+                return super().train_step(data)
+
+        with self.assertRaisesRegex(ValueError, "overrides `train_step`"):
+            testing.mlp(OwnStep, l2_norm_clip=1.0, noise_multiplier=1.0)
+        model = testing.mlp(PrivateNet, l2_norm_clip=1.0, noise_multiplier=1.0)
+        model.compile(optimizer="sgd", loss=testing.sparse_crossentropy())
+        x, y = testing.classification_data(samples=8)
+        with self.assertRaisesRegex(ValueError, "train_on_batch"):
+            model.train_on_batch(x, y)
+
+    def test_short_epochs_of_split_draws_are_refused(self):
+        """Accumulation on a sampler with `steps_per_epoch` shorter than
+        its batches: Keras keeps the iterator across epochs, so an update
+        could take parts of draws of two epochs. Refused."""
+        ids, targets = canary_data(64)
+        sampler = sampling.PoissonSampler(
+            ids, targets, batch_size=8, gradient_accumulation_steps=2
+        )
+        model = canary_model(
+            64, gradient_accumulation_steps=2, expected_batch_size=16
+        )
+        model.compile(optimizer="sgd", loss="mse")
+        with self.assertRaisesRegex(ValueError, "steps_per_epoch=2 for a"):
+            model.fit(sampler, steps_per_epoch=2, verbose=0)
+
+    def test_stated_sampling_with_accumulation_is_checked_too(self):
+        """A generator stated as Poisson draws, with accumulation: each
+        batch would be its own draw, refused; stated as shuffled batches,
+        whose passes cannot be counted, refused."""
+        ids, targets = canary_data(64)
+
+        def batches():
+            while True:
+                yield ids[:16], targets[:16]
+
+        for stated, message in (
+            ("poisson", "serves each draw as 1 batch"),
+            ("shuffle", "cannot tell how many batches a pass"),
+        ):
+            model = canary_model(
+                64,
+                noise_multiplier=1.0,
+                gradient_accumulation_steps=2,
+                expected_batch_size=32 if stated == "poisson" else None,
+            )
+            model.compile(optimizer="sgd", loss="mse")
+            budget = custom_fit.callbacks.PrivacyBudget(
+                num_examples=64, batch_size=16, delta=1e-3, sampling=stated
+            )
+            with self.assertRaisesRegex(ValueError, message):
+                model.fit(
+                    batches(),
+                    steps_per_epoch=4,
+                    shuffle=False,
+                    verbose=0,
+                    callbacks=[budget],
+                )
+
+    def test_a_budget_before_backup_and_restore_sees_the_restored_run(self):
+        """A PrivacyBudget listed before BackupAndRestore, in a new model
+        that resumes a run which spent the budget: the budget sees the
+        restored updates and stops before the first step (listed first,
+        it would have seen none)."""
+        import tempfile
+
+        ids, targets = canary_data(64)
+        directory = tempfile.mkdtemp()
+
+        class Interrupt(keras.callbacks.Callback):
+            def on_epoch_begin(self, epoch, logs=None):
+                if epoch == 1:
+                    raise RuntimeError("interrupted")
+
+        def model():
+            made = canary_model(64, noise_multiplier=1.0)
+            made.compile(optimizer="sgd", loss="mse")
+            return made
+
+        with self.assertRaisesRegex(RuntimeError, "interrupted"):
+            model().fit(
+                ids,
+                targets,
+                batch_size=16,
+                epochs=2,
+                verbose=0,
+                callbacks=[
+                    keras.callbacks.BackupAndRestore(directory),
+                    Interrupt(),
+                ],
+            )
+        spent = gaussian_epsilon(1, 1.0, 1e-3)
+        budget = custom_fit.callbacks.PrivacyBudget(
+            num_examples=64, batch_size=16, delta=1e-3, max_epsilon=spent
+        )
+        with self.assertRaisesRegex(RuntimeError, "PrivacyBudget"):
+            model().fit(
+                ids,
+                targets,
+                batch_size=16,
+                epochs=2,
+                verbose=0,
+                callbacks=[budget, keras.callbacks.BackupAndRestore(directory)],
+            )
+
+
+@pytest.mark.torch
+class PaddedSharesTest(testing.TestCase):
+    def test_a_distributed_sampler_that_repeats_examples_is_refused(self):
+        """PyTorch's `DistributedSampler` with `drop_last=False` pads its
+        shares with repeated examples (63 over 2 processes): a repeated
+        example is in a pass twice. Refused before the first step;
+        `drop_last=True` trains."""
+        import torch
+
+        ids, targets = canary_data(63)
+        dataset = torch.utils.data.TensorDataset(
+            torch.from_numpy(ids), torch.from_numpy(targets)
+        )
+        for drop_last in (False, True):
+            loader = torch.utils.data.DataLoader(
+                dataset,
+                batch_size=8,
+                sampler=torch.utils.data.DistributedSampler(
+                    dataset, num_replicas=2, rank=0, drop_last=drop_last
+                ),
+            )
+            model = canary_model(63, noise_multiplier=1.0)
+            model.compile(optimizer="sgd", loss="mse")
+            budget = custom_fit.callbacks.PrivacyBudget(
+                num_examples=63, batch_size=16, delta=1e-3, sampling="shuffle"
+            )
+            if drop_last:
+                model.fit(loader, shuffle=False, verbose=0, callbacks=[budget])
+                continue
+            with self.assertRaisesRegex(ValueError, "drop_last=True"):
+                model.fit(loader, shuffle=False, verbose=0, callbacks=[budget])

@@ -133,20 +133,30 @@ class Adapter(Protocol):
 
         Seeded with `seed` where one is given (a reproducible run); else
         from the operating system's entropy, with every secret bit the
-        backend's draws (`add_noise`) read: at least 62. Where the variable
-        must agree over processes when it is made (JAX), process 0's bits,
-        in a collective.
+        backend's draws (`add_noise`) read: at least 62. Where a variable
+        must agree over processes when it is made (JAX), a public
+        placeholder, until `agree_on_seeds` gives it process 0's secret.
         """
         ...
 
-    def share_from_first_process(self, variables: Sequence[Any]) -> None:
-        """Gives each variable process 0's value, in every process.
+    def agree_on_seeds(self, seeds: Any, given: bool) -> None:
+        """Gives a `secret_seeds` generator process 0's state everywhere.
 
         Where several processes each run the step on one model (JAX
-        processes, `torch.distributed`): a collective every process
-        calls. Nothing in one process, nor under `tf.distribute`, whose
+        processes, `torch.distributed`), a collective every process calls
+        before training. `given`: the seed was given (the same in every
+        process). Nothing in one process, nor under `tf.distribute`, whose
         workers take the chief's initial values of the variables made in
         its scope.
+        """
+        ...
+
+    def check_sampler(self, sampler: Any) -> None:
+        """Raises where the backend would not feed a sampler's draws whole.
+
+        `tf.distribute` over several workers splits the batches itself,
+        each worker reading its own sampler: the workers' draws would not
+        make one draw per step.
         """
         ...
 

@@ -57,6 +57,7 @@ from custom_fit.backend._dense import all_reduce_sum  # noqa: F401
 from custom_fit.backend._dense import batch_gradients  # noqa: F401
 from custom_fit.backend._dense import build_batch  # noqa: F401
 from custom_fit.backend._dense import check_compile  # noqa: F401
+from custom_fit.backend._dense import check_sampler  # noqa: F401
 from custom_fit.backend._dense import check_recorded_loss  # noqa: F401
 from custom_fit.backend._dense import deduplicate  # noqa: F401
 from custom_fit.backend._dense import dense  # noqa: F401
@@ -272,21 +273,36 @@ def secret_seeds(seed: int | None) -> Any:
     The state, two uint32 words `[seed, counter]`, is the draws' threefry
     key as it is: without a seed both words are drawn from the operating
     system, so that the counter starts at a secret place too. Over several
-    processes, process 0's words (a collective: every process makes the
-    model).
+    processes Keras lays a variable out from values that must agree, and
+    a collective here would hang a process that builds a model alone (to
+    export it): the state is a public placeholder until `agree_on_seeds`
+    gives it process 0's secret, before the first step.
     """
     if seed is not None:
         return keras.random.SeedGenerator(seed)
-    words = np.asarray([secrets.randbits(32), secrets.randbits(32)], np.uint32)
     if jax.process_count() > 1:
-        # Keras lays a variable out over the processes' devices from
-        # values that must agree: process 0's, made before it.
-        from jax.experimental import multihost_utils
-
-        words = np.asarray(multihost_utils.broadcast_one_to_all(words))
-    seeds = keras.random.SeedGenerator(int(words[0]))
-    seeds.state.assign(words)
+        return keras.random.SeedGenerator(0)
+    seeds = keras.random.SeedGenerator(secrets.randbits(32))
+    seeds.state.assign(_secret_words())
     return seeds
+
+
+def _secret_words() -> np.ndarray:
+    """Two uint32 words from the operating system's entropy."""
+    return np.asarray([secrets.randbits(32), secrets.randbits(32)], np.uint32)
+
+
+def agree_on_seeds(seeds: Any, given: bool) -> None:
+    """Gives a secret generator process 0's fresh words, in every process.
+
+    A given seed is the same in every process already.
+    """
+    if given or jax.process_count() == 1:
+        return
+    from jax.experimental import multihost_utils
+
+    words = multihost_utils.broadcast_one_to_all(_secret_words())
+    seeds.state.assign(np.asarray(words, np.uint32))
 
 
 def compiled(function: Callable[..., Any]) -> Callable[..., Any]:
@@ -308,21 +324,6 @@ def local_values(variables: Sequence[Any]) -> list[Any]:
     if jax.process_count() == 1:
         return [variable.value for variable in variables]
     return [np.asarray(variable.value) for variable in variables]
-
-
-def share_from_first_process(variables: Sequence[Any]) -> None:
-    """Assigns process 0's values of `variables` in every JAX process."""
-    if jax.process_count() == 1:
-        return
-    from jax.experimental import multihost_utils
-
-    for variable in variables:
-        value = variable.value
-        if not value.is_fully_addressable:
-            # A replicated array: this process' copy.
-            value = value.addressable_data(0)
-        first = multihost_utils.broadcast_one_to_all(np.asarray(value))
-        variable.assign(np.asarray(first))
 
 
 # Conditional updates.

@@ -127,6 +127,24 @@ def secret_seeds(seed: int | None) -> Any:
     return keras.random.SeedGenerator(seed)
 
 
+def check_sampler(sampler: Any) -> None:
+    """Raises for a sampler under `tf.distribute` over several workers."""
+    strategy = tf.distribute.get_strategy()
+    resolver = getattr(strategy, "cluster_resolver", None)
+    spec = resolver.cluster_spec().as_dict() if resolver is not None else {}
+    workers = len(spec.get("worker", ())) + len(spec.get("chief", ()))
+    if workers > 1:
+        raise ValueError(
+            f"A {type(sampler).__name__} cannot be fed over several "
+            "tf.distribute workers: each worker reads its own sampler and "
+            "the strategy splits the batches, so a step's global batch "
+            "would not be one draw (and the workers' secret seeds differ). "
+            f"Received: {workers} workers. Train on one worker, or on JAX "
+            "or PyTorch processes, where each process feeds its share of "
+            "one draw."
+        )
+
+
 def compiled(function: Callable[..., Any]) -> Callable[..., Any]:
     """Returns `function`: TensorFlow's eager operations start fast."""
     return function
@@ -137,9 +155,9 @@ def local_values(variables: Sequence[Any]) -> list[Any]:
     return [variable.value for variable in variables]
 
 
-def share_from_first_process(variables: Sequence[Any]) -> None:
+def agree_on_seeds(seeds: Any, given: bool) -> None:
     """Does nothing: `tf.distribute` workers share initial values."""
-    del variables
+    del seeds, given
 
 
 def divisible_first_axis(tensor: Any, count: int, message: str) -> Any:

@@ -31,7 +31,6 @@ Keras 3.15 has no PyTorch distribution; data parallelism over
 
 import contextlib
 import hashlib
-import math
 import secrets
 import struct
 from collections.abc import Callable
@@ -46,6 +45,7 @@ from custom_fit.backend import _torch_compile
 from custom_fit.backend import _torch_processes
 from custom_fit.backend._dense import build_batch  # noqa: F401
 from custom_fit.backend._dense import check_compile  # noqa: F401
+from custom_fit.backend._dense import check_sampler  # noqa: F401
 from custom_fit.backend._dense import check_recorded_loss  # noqa: F401
 from custom_fit.backend._dense import deduplicate  # noqa: F401
 from custom_fit.backend._dense import dense  # noqa: F401
@@ -450,21 +450,17 @@ def local_values(variables: Sequence[Any]) -> list[Any]:
     return [variable.value for variable in variables]
 
 
-def share_from_first_process(variables: Sequence[Any]) -> None:
-    """Assigns process 0's values of `variables` in every process."""
+def agree_on_seeds(seeds: Any, given: bool) -> None:
+    """Assigns process 0's generator state in every process."""
+    del given  # a given seed is the same everywhere: broadcast alike
     if _torch_processes.world_size() == 1:
         return
     device = torch.device("cpu")
     if torch.distributed.get_backend() == "nccl":
         device = torch.device("cuda", torch.cuda.current_device())
-    for variable in variables:
-        value = torch.as_tensor(variable.value).detach().clone().to(device)
-        torch.distributed.broadcast(value, src=0)
-        variable.assign(value.cpu().numpy())
-
-
-# How many draws one noise is the sum of on the CPU (`_normal`).
-_CPU_DRAWS = 3
+    value = torch.as_tensor(seeds.state.value).detach().clone().to(device)
+    torch.distributed.broadcast(value, src=0)
+    seeds.state.assign(value.cpu().numpy())
 
 
 def _normal(shape: Sequence[int], dtype: Any, seeds: Any, device: Any) -> Any:
@@ -473,30 +469,26 @@ def _normal(shape: Sequence[int], dtype: Any, seeds: Any, device: Any) -> Any:
     Keras' PyTorch draws seed a generator with the sum of the state's two
     words, 32 bits; and PyTorch's CPU generator (MT19937) keeps only 32
     bits of any seed, so one draw of it could be found by trying every
-    seed. Here both words (`secret_seeds`: 62 secret bits) are hashed into
-    the seeds of the draws: on a CUDA device one Philox generator with a
-    64-bit seed; on the CPU the sum of `_CPU_DRAWS` draws from generators
-    with 32-bit seeds, each scaled by `1 / sqrt(_CPU_DRAWS)` (a normal
-    draw, whose seeds a search must find together). The state advances
-    by one, as a Keras draw advances it.
+    seed (and a sum of several such draws by trying each one's: each
+    correlates with the sum). Here both words (`secret_seeds`: 62 secret
+    bits) are hashed (BLAKE2b) into a 128-bit key: on a CUDA device a
+    Philox generator seeded with 64 bits of it, on the CPU NumPy's Philox
+    keyed with all of it. The state advances by one, as a Keras draw
+    advances it.
     """
     words = [int(w) & 0xFFFFFFFF for w in seeds.next().tolist()]
-    digest = hashlib.blake2b(
-        struct.pack("<2I", *words), digest_size=8 * _CPU_DRAWS
-    ).digest()
-    keys = struct.unpack(f"<{_CPU_DRAWS}Q", digest)
-    draws = 1 if device.type == "cuda" else _CPU_DRAWS
-
-    def draw(key: int) -> Any:
+    digest = hashlib.blake2b(struct.pack("<2I", *words), digest_size=16)
+    key = int.from_bytes(digest.digest(), "little")
+    if device.type == "cuda":
         generator = torch.Generator(device=device)
-        generator.manual_seed(key if draws == 1 else key & 0xFFFFFFFF)
+        generator.manual_seed(key & 0xFFFFFFFFFFFFFFFF)
         return torch.randn(
             tuple(shape), generator=generator, device=device, dtype=dtype
         )
-
-    if draws == 1:
-        return draw(keys[0])
-    return sum(draw(key) for key in keys[:draws]) / math.sqrt(draws)
+    draws = np.random.Generator(np.random.Philox(key=key)).standard_normal(
+        tuple(shape), dtype=np.float32
+    )
+    return torch.from_numpy(draws).to(device=device, dtype=dtype)
 
 
 def add_noise(tensors: Sequence[Any], stddev: Any, seeds: Any) -> list[Any]:

@@ -45,8 +45,8 @@ from custom_fit.backend import _torch_compile
 from custom_fit.backend import _torch_processes
 from custom_fit.backend._dense import build_batch  # noqa: F401
 from custom_fit.backend._dense import check_compile  # noqa: F401
-from custom_fit.backend._dense import check_sampler  # noqa: F401
 from custom_fit.backend._dense import check_recorded_loss  # noqa: F401
+from custom_fit.backend._dense import check_sampler  # noqa: F401
 from custom_fit.backend._dense import deduplicate  # noqa: F401
 from custom_fit.backend._dense import dense  # noqa: F401
 from custom_fit.backend._dense import dense_size  # noqa: F401

@@ -147,9 +147,11 @@ def train(process, processes, label):
     tables = [canary.get_layer("table").get_weights()[0]]
 
     class Record(keras.callbacks.Callback):
-        # Under a distribution Keras' JAX trainer holds the weights outside
-        # the variables until an epoch ends: an epoch is one update here.
-        def on_epoch_end(self, epoch, logs=None):
+        # Keras' JAX trainer holds the weights outside the variables until
+        # an epoch ends; a callback may sync them (Keras' own hook for it).
+        # Every other batch ends an update; the others change nothing.
+        def on_train_batch_end(self, batch, logs=None):
+            self.model.jax_state_sync()
             tables.append(canary.get_layer("table").get_weights()[0])
 
     canary.fit(
@@ -160,8 +162,7 @@ def train(process, processes, label):
             gradient_accumulation_steps=2,
             pad_to_multiple_of=8,
         ),
-        steps_per_epoch=2,
-        epochs=40,
+        epochs=10,
         verbose=0,
         callbacks=[Record()],
     )

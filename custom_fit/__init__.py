@@ -5,6 +5,7 @@ overridable hooks, and the gradient math they use as pure functions.
 """
 
 from custom_fit import accumulation
+from custom_fit import auditing
 from custom_fit import callbacks
 from custom_fit import clipping
 from custom_fit import ghost
@@ -40,6 +41,7 @@ __all__ = [
     "SharpnessAwareMixin",
     "TrainStepMixin",
     "accumulation",
+    "auditing",
     "callbacks",
     "clipping",
     "ghost",

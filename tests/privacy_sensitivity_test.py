@@ -98,14 +98,19 @@ class PoissonAccumulationTest(testing.TestCase):
     """Accumulation on Poisson batches: one draw per update."""
 
     @parameterized.named_parameters(
-        (f"{name}_{method}", mode, method)
-        for name, mode in ACCUMULATION_MODES
-        for method in ("ghost", "vectorized")
+        *((f"{name}_ghost", mode, "ghost") for name, mode in ACCUMULATION_MODES),
+        # The clipping path does not change what an update holds; the
+        # vectorized path once, compiled (eager, it costs minutes).
+        *(
+            (f"{name}_vectorized", mode, "vectorized")
+            for name, mode in ACCUMULATION_MODES
+            if name == "jit"
+        ),
     )
     def test_each_example_is_in_an_update_at_most_once(self, mode, method):
         """With `gradient_accumulation_steps=4` and a sampler that deals
         each draw into 4 batches, each update holds each example at most
-        once, and over 60 updates each example is in an update about
+        once, and over 40 updates each example is in an update about
         `q = 4 * 8 / 64` of the time (one draw at the update's rate)."""
         steps, batch, count = 4, 8, 64
         ids, targets = canary_data(count)
@@ -122,11 +127,11 @@ class PoissonAccumulationTest(testing.TestCase):
         )
         model.compile(optimizer=keras.optimizers.SGD(1.0), loss="mse", **mode)
         record = TableAfterEachCall()
-        model.fit(sampler, epochs=30, verbose=0, callbacks=[record])
+        model.fit(sampler, epochs=10, verbose=0, callbacks=[record])
         counts = entries_per_update(record, steps * batch)
         assert_once_each(self, counts)
         updates = model.private_steps
-        self.assertEqual(updates, 30 * len(sampler) // steps)
+        self.assertEqual(updates, 10 * len(sampler) // steps)
         # Updates that drew no example leave no change: the mean over the
         # changed ones is at least the rate; over all, about the rate.
         included = np.round(counts).sum() / (updates * count)

@@ -35,19 +35,11 @@ import numpy as np
 
 from custom_fit import _validation
 
-__all__ = ["PrivacyAuditError", "epsilon_lower_bound"]
+__all__ = ["epsilon_lower_bound"]
 
 # The bound is searched within [0, _MAX_EPSILON] to this tolerance.
 _MAX_EPSILON = 100.0
 _TOLERANCE = 1e-6
-
-
-class PrivacyAuditError(AssertionError):
-    """A privacy audit found a run that does not keep its stated privacy.
-
-    Raised by an audit's `check()` with the name of the check that failed
-    and the figures that failed it.
-    """
 
 
 def epsilon_lower_bound(

@@ -98,7 +98,10 @@ class PoissonAccumulationTest(testing.TestCase):
     """Accumulation on Poisson batches: one draw per update."""
 
     @parameterized.named_parameters(
-        *((f"{name}_ghost", mode, "ghost") for name, mode in ACCUMULATION_MODES),
+        *(
+            (f"{name}_ghost", mode, "ghost")
+            for name, mode in ACCUMULATION_MODES
+        ),
         # The clipping path does not change what an update holds; the
         # vectorized path once, compiled (eager, it costs minutes).
         *(

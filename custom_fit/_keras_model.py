@@ -113,6 +113,7 @@ class KerasModel(_ModelBase):
             *args: The positional arguments of `keras.Model.compile`.
             **kwargs: Its keyword arguments.
         """
+        _options.refuse_options_in_call(type(self), "compile", kwargs)
         # By name: a model's own `compile` (a keras-hub task's) may take
         # other arguments than Keras'; the optimizer comes first in all.
         jit_compile = kwargs.get("jit_compile", "auto")
@@ -275,8 +276,7 @@ class KerasModel(_ModelBase):
         for model in _model_state.models_in(self):
             _model_state.state_of(model).guard.restart()
         _step_functions.forget_last_call(self)
-        arguments = dict(KERAS_FIT.bind(self, *args, **kwargs).arguments)
-        del arguments["self"]
+        arguments = fit_arguments(self, args, kwargs)
         x: Any = arguments.get("x")
         shuffled = _fit_data.is_sampler(x) and bool(arguments.get("shuffle"))
         _fit_data.check_processes_agree(
@@ -312,6 +312,7 @@ class KerasModel(_ModelBase):
         Returns:
             What `keras.Model.evaluate` returns.
         """
+        _options.refuse_options_in_call(type(self), "evaluate", kwargs)
         if backend.current().data_shards()[0] > 1:
             arguments = KERAS_EVALUATE.bind(self, *args, **kwargs).arguments
             _fit_data.check_processes_agree(
@@ -458,6 +459,20 @@ _LOGS_DEFERRED = threading.local()
 # The signature of Keras' `fit`, `self` included.
 KERAS_FIT = inspect.signature(keras.Model.fit)
 KERAS_EVALUATE = inspect.signature(keras.Model.evaluate)
+
+
+def fit_arguments(
+    model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> dict[str, Any]:
+    """Returns `fit`'s arguments by name (`self` left out).
+
+    Keras' defaults are not filled in. An option of a mixin among them is
+    refused first, naming the fix (Keras' own error names neither).
+    """
+    _options.refuse_options_in_call(type(model), "fit", kwargs)
+    arguments = dict(KERAS_FIT.bind(model, *args, **kwargs).arguments)
+    del arguments["self"]
+    return arguments
 
 
 def _keras_property(model: Any, name: str) -> property:

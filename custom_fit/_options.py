@@ -454,6 +454,51 @@ def refuse_unknown_keywords(
         )
 
 
+def refuse_options_in_call(
+    cls: type, call: str, kwargs: dict[str, Any]
+) -> None:
+    """Raises for an option of a mixin passed to `compile`, `fit` or the like.
+
+    Keras users put training settings in `compile()` or `fit()`; a
+    custom_fit option is set when the model is made (the step is built
+    with it). Keras' own error for the keyword names neither the option nor
+    the fix; this one does, before Keras sees the call.
+
+    Args:
+        cls: The model class.
+        call: The method's name, as the message shows it (`"compile"`).
+        kwargs: The keyword arguments of the call.
+
+    Raises:
+        TypeError: For a keyword that is the name of an option (of `cls`
+            or of another mixin), naming the constructor call to use.
+    """
+    own = declared_options(cls)
+    for key, value in kwargs.items():
+        if key not in own and key not in _OWNERS:
+            continue
+        made = (
+            f"{cls.__name__}(inputs, outputs, {key}={value!r}) for a "
+            f"functional model, {cls.__name__}(..., {key}={value!r}) for "
+            "your own"
+        )
+        if key in own:
+            whose = f"an option of {cls.__name__}"
+            fix = f"Pass it when you make the model: {made}."
+        else:
+            whose = f"an option of {_owner_names(key)}"
+            fix = (
+                f"{cls.__name__} does not have it among its bases: add the "
+                f"mixin before the Keras class, then pass the option when "
+                f"you make the model: {made}."
+            )
+        raise TypeError(
+            f"`{key}` is {whose}, set when the model is made (its training "
+            f"step is built with it), not an argument of `{call}()`. "
+            f"Received: {call}({key}={value!r}). {fix}"
+        )
+
+
 def _missing_mixin(cls: type, key: str, received: str) -> str:
     """Says which mixin owns option `key` and how to add it to `cls`."""
     owners = _owner_names(key)

@@ -604,9 +604,7 @@ class DifferentialPrivacyMixin(TrainStepMixin):
         Raises:
             ValueError: When the run would not be the one accounted.
         """
-        bound = _keras_model.KERAS_FIT.bind(self, *args, **kwargs)
-        arguments = dict(bound.arguments)
-        del arguments["self"]
+        arguments = _keras_model.fit_arguments(self, args, kwargs)
         accumulation = self.gradient_accumulation_steps or 1
         run = _across_processes(_training_run(arguments, accumulation))
         budgets = [

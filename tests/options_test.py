@@ -81,6 +81,71 @@ class UnknownKeywordTest(testing.TestCase):
         self.assertIn("clipnorm", subclassed)
 
 
+class OptionInTrainingCallTest(testing.TestCase):
+    """Keras users put training settings in `compile()` and `fit()`: a
+    custom_fit option there gets a message naming the constructor call,
+    raised before Keras sees the call (Keras' own `TypeError` names
+    neither the option nor the fix; from `fit` on TensorFlow, not even the
+    function)."""
+
+    def test_option_in_compile_names_the_constructor_call(self):
+        """`compile(global_clipnorm=1.0)` is refused, and the model is not
+        compiled (a refused call changes nothing)."""
+        model = testing.mlp(Net)
+        with self.assertRaisesRegex(
+            TypeError,
+            r"`global_clipnorm` is an option of Net.*not an argument of "
+            r"`compile\(\)`.*Received: compile\(global_clipnorm=1\.0\).*"
+            r"Net\(inputs, outputs, global_clipnorm=1\.0\)",
+        ):
+            model.compile(optimizer="sgd", loss="mse", global_clipnorm=1.0)
+        self.assertFalse(model.compiled)
+
+    @parameterized.named_parameters(("fit", "fit"), ("evaluate", "evaluate"))
+    def test_option_in_fit_or_evaluate_names_the_constructor_call(self, method):
+        """`fit(..., skip_nonfinite=True)` and `evaluate(...)` likewise;
+        `fit` trains no step."""
+        model = testing.mlp(Net)
+        model.compile(optimizer="sgd", loss=testing.sparse_crossentropy())
+        x, y = testing.classification_data(8)
+        before = [w.copy() for w in model.get_weights()]
+        with self.assertRaisesRegex(
+            TypeError,
+            rf"`skip_nonfinite` is an option of Net.*`{method}\(\)`.*"
+            r"Net\(inputs, outputs, skip_nonfinite=True\)",
+        ):
+            getattr(model, method)(x, y, verbose=0, skip_nonfinite=True)
+        for old, new in zip(before, model.get_weights()):
+            np.testing.assert_array_equal(old, new)
+
+    def test_option_of_a_missing_mixin_names_the_mixin(self):
+        """An option of a mixin the model lacks (`l2_norm_clip`, of the DP
+        mixin) says which mixin to add, then the constructor call."""
+        model = testing.mlp(Net)
+        with self.assertRaisesRegex(
+            TypeError,
+            r"`l2_norm_clip` is an option of "
+            r"custom_fit\.DifferentialPrivacyMixin.*Net does not have it "
+            r"among its bases.*Net\(inputs, outputs, l2_norm_clip=1\.0\)",
+        ):
+            model.compile(optimizer="sgd", loss="mse", l2_norm_clip=1.0)
+
+    def test_private_fit_refuses_it_too(self):
+        """The DP mixin's own `fit` takes the same path."""
+
+        class Private(custom_fit.DifferentialPrivacyMixin, keras.Model):
+            pass
+
+        model = testing.mlp(Private, l2_norm_clip=1.0, noise_multiplier=0.0)
+        model.compile(optimizer="sgd", loss=testing.sparse_crossentropy())
+        x, y = testing.classification_data(8)
+        with self.assertRaisesRegex(
+            TypeError, r"Private\(inputs, outputs, noise_multiplier=1\.0\)"
+        ):
+            model.fit(x, y, verbose=0, noise_multiplier=1.0)
+        self.assertEqual(model.private_steps, 0)
+
+
 class RangeTest(testing.TestCase):
     @parameterized.named_parameters(
         ("accumulation", dict(gradient_accumulation_steps=2**70)),

@@ -630,6 +630,7 @@ class DifferentialPrivacyMixin(TrainStepMixin):
             )
         if warning:
             warnings.warn(warning, UserWarning, stacklevel=2)
+        self._check_microbatches_divide(arguments)
         self._check_examples_apart(arguments)
         self._close_open_windows()
         state = _model_state.state_of(self)
@@ -1165,6 +1166,33 @@ class DifferentialPrivacyMixin(TrainStepMixin):
                 "by the batch size)."
             )
         return count
+
+    def _check_microbatches_divide(self, arguments: dict[str, Any]) -> None:
+        """Refuses arrays whose batches `num_microbatches` does not divide.
+
+        Before the first step: the step checks each batch as it arrives,
+        which on TensorFlow (a batch of unknown size in the traced step)
+        is a graph assertion after a whole epoch. The global batch is
+        checked; a replica's share divides only if it does.
+        """
+        count = self.num_microbatches
+        x = arguments.get("x")
+        if count is None or not _fit_data.is_arrays(x):
+            return
+        examples = _fit_data.array_examples(
+            x, arguments.get("validation_split")
+        )
+        size, _ = _fit_data.array_batches(examples, arguments.get("batch_size"))
+        sizes = [size] + ([examples % size] if examples % size else [])
+        for batch in sizes:
+            if batch % count:
+                raise ValueError(
+                    "`num_microbatches` must divide every batch size. "
+                    f"Received: num_microbatches={count} for a batch of "
+                    f"{batch} ({examples} training examples in batches of "
+                    f"{size}). Pick a divisor of every batch size, or a "
+                    "number of examples divisible by the batch size."
+                )
 
     def _refuse_dynamic_loss_scale(self, optimizer: Optimizer) -> None:
         """Raises for a `LossScaleOptimizer`: its scale follows the data."""

@@ -942,6 +942,31 @@ class RefusalTest(testing.TestCase):
         ):
             model.fit(x, y, batch_size=BATCH, verbose=0)
 
+    def test_a_last_batch_it_does_not_divide_is_refused_before_training(
+        self,
+    ):
+        """18 examples in batches of 16 end with a batch of 2, which 4
+        microbatches do not divide: refused before the first step (on
+        TensorFlow the step's assertion came after a whole epoch)."""
+        x, y = testing.classification_data(samples=18)
+        model = testing.mlp(
+            PrivateNet,
+            l2_norm_clip=1.0,
+            noise_multiplier=1.0,
+            num_microbatches=4,
+        )
+        model.compile(optimizer="sgd", loss=testing.sparse_crossentropy())
+        before = model.get_weights()
+        with self.assertRaisesRegex(
+            ValueError,
+            r"num_microbatches=4 for a batch of 2 \(18 training examples "
+            r"in batches of 16\)",
+        ):
+            model.fit(x, y, batch_size=16, verbose=0)
+        self.assertEqual(model.private_steps, 0)
+        for old, new in zip(before, model.get_weights()):
+            np.testing.assert_array_equal(old, new)
+
     @pytest.mark.tensorflow  # a dataset's batch size is known at run time
     def test_dataset_batch_not_divisible_fails_naming_num_microbatches(self):
         """Without XLA, the step fails with the option's name (under XLA,

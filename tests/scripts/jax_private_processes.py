@@ -162,7 +162,7 @@ def train(process, processes, label):
             gradient_accumulation_steps=2,
             pad_to_multiple_of=8,
         ),
-        epochs=10,
+        epochs=4,  # 16 updates
         verbose=0,
         callbacks=[Record()],
     )

@@ -332,13 +332,19 @@ class _ResumedRun(keras.callbacks.Callback):
 
 
 def _weights_digest(model: Any) -> bytes:
-    """A digest of the model's weights (their values, in order)."""
+    """A digest of process 0's weights (their values, in order).
+
+    Every process keys its streams with process 0's digest: PyTorch
+    processes may begin `fit` with weights of their own, which the first
+    step replaces with process 0's.
+    """
     digest = hashlib.blake2b(digest_size=16)
     for value in backend.current().local_values(model.weights):
         digest.update(
             np.ascontiguousarray(ops.convert_to_numpy(value)).tobytes()
         )
-    return digest.digest()
+    rows = backend.current().gather_from_processes(list(digest.digest()))
+    return bytes(int(byte) for byte in rows[0])
 
 
 class DifferentialPrivacyMixin(TrainStepMixin):

@@ -95,7 +95,7 @@ class TrainStepMixin(
         loss = self.compute_loss(x, y, y_pred, sample_weight, training=True)
         return loss, y_pred
 
-    y_pred = self.minimize(loss_function)  # the gradient pipeline, below
+    _, y_pred = self.minimize(loss_function, has_aux=True)  # below
     return self.compute_metrics(x, y, y_pred, sample_weight)
 
     # minimize(loss_function, variables, optimizer):
@@ -535,7 +535,8 @@ class TrainStepMixin(
         optimizer: Optimizer | None = None,
         *,
         penalty_inputs: Any = None,
-    ) -> Tensor | None:
+        has_aux: bool = False,
+    ) -> Any:
         """Runs the gradient pipeline of this model for one loss.
 
         This is the building block of every custom_fit step: from a loss
@@ -562,6 +563,27 @@ class TrainStepMixin(
         differentiates with respect to `variables`; on TensorFlow it may
         also be a loss already recorded on a tape,
         `minimize(d_loss, d_tape, ...)`.
+
+        What else the loss function computed comes back with
+        `has_aux=True`: the function returns `(loss, aux)`, `aux` any
+        nested structure of tensors (the student's predictions, for the
+        compiled metrics), and `minimize` returns `(applied, aux)`:
+
+        ```python
+        def student_loss():
+            y_pred = self.student(x, training=True)
+            return self.compute_loss(x, y, y_pred), y_pred
+
+        _, y_pred = self.student.minimize(student_loss, has_aux=True)
+        ```
+
+        Take values out of the loss function this way, not through a
+        variable of an enclosing function: on JAX the loss function runs
+        inside `jax.value_and_grad`, and a value it leaves behind cannot
+        be used after it (`UnexpectedTracerError`). `aux` holds the values
+        of the forward pass, with no gradient attached (the same on every
+        backend): differentiate a value again by computing it in the next
+        loss function.
 
         Metrics that the network's hooks report (`grad_norm`, ...) are then
         logged under the network's name, `discriminator_grad_norm`, by the
@@ -596,21 +618,33 @@ class TrainStepMixin(
                 `input_gradient_penalty` is taken (a tensor or the nested
                 structure the network takes). Needed exactly when the
                 network has that option.
+            has_aux: Bool. If `True`, the loss function returns a pair
+                `(loss, aux)` and `minimize` returns `(applied, aux)`.
+                Defaults to `False` (the function returns the loss).
 
         Returns:
-            `None` when the update is applied unconditionally (a
+            `applied`: `None` when the update is applied unconditionally (a
             `LossScaleOptimizer` may still skip it, as in Keras); otherwise
             a boolean scalar tensor, true when this call changed the
             variables (false on a skipped non-finite step, or on a
-            micro-batch of gradient accumulation).
+            micro-batch of gradient accumulation). With `has_aux=True`,
+            the pair `(applied, aux)`, `aux` as the loss function returned
+            it, every tensor in it without gradient (whether or not the
+            update is applied).
 
         Raises:
             ValueError: If `loss` is a tensor without its tape or a
                 function with one, if there is no optimizer, the optimizer
                 has its own `gradient_accumulation_steps`, `penalty_inputs` is
-                missing or has no use, or `transform_gradients` returns a
-                list that does not match the variables.
+                missing or has no use, `transform_gradients` returns a
+                list that does not match the variables, or the loss
+                function's result does not match `has_aux`.
         """
+        if not isinstance(has_aux, bool):
+            raise ValueError(
+                "`has_aux` must be True or False. Received: "
+                f"has_aux={has_aux!r}."
+            )
         if callable(loss):
             if tape is not None:
                 raise ValueError(
@@ -619,9 +653,22 @@ class TrainStepMixin(
                     f"tape={tape!r}. Leave `tape` out with a loss function."
                 )
             function = loss
-            return self._minimize(
-                lambda: (function(), None), variables, optimizer, penalty_inputs
-            ).applied
+            update = self._minimize(
+                lambda: _loss_and_aux(function(), has_aux),
+                variables,
+                optimizer,
+                penalty_inputs,
+            )
+            if has_aux:
+                return update.applied, _without_gradient(update.aux)
+            return update.applied
+        if has_aux:
+            raise ValueError(
+                "`has_aux=True` takes a loss function returning `(loss, "
+                "aux)`. Received: a loss tensor and its tape (whatever else "
+                "the tape recorded is in your hands already). Leave "
+                "`has_aux` out, or pass a function."
+            )
         if tape is None:
             raise ValueError(
                 "A loss tensor needs the tape that recorded it. Received: "
@@ -1103,6 +1150,40 @@ class TrainStepMixin(
             return
         warned.add(key)
         warnings.warn(message, UserWarning, stacklevel=3)
+
+
+def _loss_and_aux(result: Any, has_aux: bool) -> tuple[Any, Any]:
+    """Returns `(loss, aux)` of a loss function's `result`, checked."""
+    is_pair = isinstance(result, (tuple, list))
+    if has_aux:
+        if not is_pair or len(result) != 2:
+            raise ValueError(
+                "With `has_aux=True` the loss function returns a pair "
+                "`(loss, aux)`. Received: a result of type "
+                f"{type(result).__name__}"
+                + (f" with {len(result)} items" if is_pair else "")
+                + ". Return `loss, aux`, or leave `has_aux` out."
+            )
+        return result[0], result[1]
+    if is_pair:
+        raise ValueError(
+            "The loss function returned a "
+            f"{type(result).__name__} of {len(result)} items; `minimize` "
+            "differentiates a scalar loss. To get other values back, return "
+            "`(loss, aux)` and pass `has_aux=True`: "
+            "`applied, aux = model.minimize(loss_function, has_aux=True)`."
+        )
+    return result, None
+
+
+def _without_gradient(aux: Any) -> Any:
+    """Returns `aux` with every tensor in it cut from the gradient."""
+    return keras.tree.map_structure(
+        lambda value: (
+            ops.stop_gradient(value) if ops.is_tensor(value) else value
+        ),
+        aux,
+    )
 
 
 @dataclasses.dataclass(frozen=True)

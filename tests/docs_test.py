@@ -38,6 +38,10 @@ EXPECTED = {
         "Fine-tuning a pretrained custom_fit model",
     ): r"\['loss', 'val_loss'\]",
     ("docs/guides/skipping.md", "Spikes"): r"\[1\.0\]",
+    (
+        "docs/guides/several-networks.md",
+        "A teacher and a student: what the loss computed, handed back",
+    ): r"\['distillation_loss', 'sparse_categorical_accuracy'\]",
     ("docs/guides/accumulation.md", "Gradient accumulation"): r"updates: 1",
     (
         "docs/guides/inspection.md",

@@ -1,4 +1,5 @@
-"""`minimize`, the gradient pipeline as a building block: a two-network GAN.
+"""`minimize`, the gradient pipeline as a building block: a two-network GAN,
+and knowledge distillation with the student's predictions handed back.
 
 The GAN is `examples/gan.py`'s, on two tiny networks: each step updates the
 discriminator, then the generator (on fresh noise, against the updated
@@ -14,6 +15,7 @@ import contextlib
 import keras
 import numpy as np
 import pytest
+from absl.testing import parameterized
 from keras import ops
 
 import custom_fit
@@ -424,3 +426,279 @@ class MinimizeTest(testing.TestCase):
         tape = contextlib.nullcontext()  # stands for a tf.GradientTape
         with self.assertRaisesRegex(ValueError, r"minimize\(loss_function"):
             generator.minimize(loss, tape, optimizer=keras.optimizers.SGD())
+
+
+# Knowledge distillation (keras-io's `Distiller`): a frozen teacher, a
+# student trained with `minimize`, whose predictions come back as `aux` and
+# feed the compiled metrics.
+
+CLASSES, TEMPERATURE, ALPHA = 3, 2.0, 0.3
+
+
+class Student(custom_fit.TrainStepMixin, keras.Model):
+    pass
+
+
+class Distiller(custom_fit.TrainStepMixin, keras.Model):
+    def __init__(self, student, teacher, **kwargs):
+        super().__init__(**kwargs)
+        self.student = student
+        self.teacher = teacher
+        self.student_loss_fn = keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True
+        )
+        self.distillation_loss_fn = keras.losses.KLDivergence()
+
+    def call(self, x):
+        return self.student(x)
+
+    def train_step(self, data):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        teacher_logits = self.teacher(x, training=False)
+
+        def loss_function():
+            y_pred = self.student(x, training=True)
+            student_loss = self.student_loss_fn(y, y_pred, sample_weight)
+            distillation_loss = self.distillation_loss_fn(
+                ops.softmax(teacher_logits / TEMPERATURE, axis=1),
+                ops.softmax(y_pred / TEMPERATURE, axis=1),
+            )
+            loss = ALPHA * student_loss
+            loss += (1 - ALPHA) * TEMPERATURE**2 * distillation_loss
+            return loss, y_pred
+
+        _, y_pred = self.student.minimize(
+            loss_function, optimizer=self.optimizer, has_aux=True
+        )
+        return self.compute_metrics(x, y, y_pred, None)
+
+
+class ClosureDistiller(Distiller):
+    """Takes the student's predictions out through a closure instead."""
+
+    def train_step(self, data):
+        x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
+        seen = {}
+
+        def loss_function():
+            seen["y_pred"] = self.student(x, training=True)
+            return self.student_loss_fn(y, seen["y_pred"])
+
+        self.student.minimize(loss_function, optimizer=self.optimizer)
+        return self.compute_metrics(x, y, seen["y_pred"], None)
+
+
+def distillation_networks(**student_options):
+    x = keras.Input((FEATURES,))
+    teacher = keras.Model(x, dense(CLASSES, 11, "teacher")(x))
+    teacher.trainable = False
+    student = Student(x, dense(CLASSES, 12, "student")(x), **student_options)
+    return student, teacher
+
+
+def distillation_data(samples=32):
+    rng = np.random.RandomState(3)
+    x = rng.randn(samples, FEATURES).astype("float32")
+    return x, rng.randint(0, CLASSES, samples)
+
+
+def softmax(logits):
+    shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
+    return shifted / shifted.sum(axis=1, keepdims=True)
+
+
+def distillation_by_hand(
+    x, y, sample_weight, batch_size, epochs, lr, accumulation=1
+):
+    """The distiller's SGD steps in NumPy (float64), from the initial
+    weights: per batch, the gradient of the loss with respect to the
+    student's logits z of each example is ALPHA * w * (softmax(z) - onehot)
+    + (1 - ALPHA) * T * (softmax(z / T) - softmax(teacher / T)), averaged
+    over the batch; a non-finite gradient skips the update; with
+    accumulation, the mean gradient of `accumulation` batches is applied
+    after the last. Returns the final kernel and bias and the accuracy of
+    each epoch (of the predictions before each update)."""
+    student, teacher = distillation_networks()
+    kernel, bias = (np.float64(w) for w in student.get_weights())
+    t_kernel, t_bias = (np.float64(w) for w in teacher.get_weights())
+    accuracies = []
+    pending = []
+    for _ in range(epochs):
+        correct = 0
+        for start in range(0, len(x), batch_size):
+            xb = np.float64(x[start : start + batch_size])
+            yb = y[start : start + batch_size]
+            wb = np.float64(sample_weight[start : start + batch_size])
+            logits = xb @ kernel + bias
+            correct += np.sum(np.argmax(logits, axis=1) == yb)
+            soft_teacher = softmax((xb @ t_kernel + t_bias) / TEMPERATURE)
+            onehot = np.eye(CLASSES)[yb]
+            grad_logits = ALPHA * wb[:, None] * (softmax(logits) - onehot)
+            grad_logits += (
+                (1 - ALPHA)
+                * TEMPERATURE
+                * (softmax(logits / TEMPERATURE) - soft_teacher)
+            )
+            grad_logits /= len(xb)
+            pending.append((xb.T @ grad_logits, grad_logits.sum(axis=0)))
+            if len(pending) < accumulation:
+                continue
+            grad_kernel = sum(g[0] for g in pending) / accumulation
+            grad_bias = sum(g[1] for g in pending) / accumulation
+            pending = []
+            if np.all(np.isfinite(grad_kernel)):
+                kernel = kernel - lr * grad_kernel
+                bias = bias - lr * grad_bias
+        accuracies.append(correct / len(x))
+    return [kernel, bias], accuracies
+
+
+DISTILLATION_CASES = testing.runnable(
+    (
+        ("eager", dict(run_eagerly=True), {}, None),
+        ("compiled", testing.compiled(), {}, None),
+        ("steps_per_execution", testing.looped(2), {}, None),
+        (
+            "accumulation",
+            testing.compiled(),
+            dict(gradient_accumulation_steps=2),
+            None,
+        ),
+        ("skipping", testing.compiled(), dict(skip_nonfinite=True), 12),
+    )
+)
+
+
+class KnowledgeDistillationTest(testing.TestCase):
+    @parameterized.named_parameters(*DISTILLATION_CASES)
+    def test_student_and_metrics_equal_a_hand_written_step(
+        self, compile_options, student_options, nan_row
+    ):
+        """Two epochs of 4 batches: the student's weights equal the
+        hand-written SGD steps (1e-6) and the compiled accuracy, computed
+        from the predictions `minimize` hands back (`has_aux=True`), equals
+        the hand-written one of each epoch. With accumulation the update
+        comes every second batch; with `skip_nonfinite`, a NaN sample
+        weight in the second batch skips its update (its predictions still
+        count in the metrics)."""
+        x, y = distillation_data()
+        sample_weight = np.ones(len(x), "float32")
+        if nan_row is not None:
+            sample_weight[nan_row] = np.nan
+        student, teacher = distillation_networks(**student_options)
+        distiller = Distiller(student, teacher)
+        distiller.compile(
+            optimizer=keras.optimizers.SGD(0.5),
+            metrics=["sparse_categorical_accuracy"],
+            **compile_options,
+        )
+        history = distiller.fit(
+            x,
+            y,
+            sample_weight=sample_weight,
+            batch_size=8,
+            epochs=2,
+            shuffle=False,
+            verbose=0,
+        )
+        weights, accuracies = distillation_by_hand(
+            x,
+            y,
+            sample_weight,
+            batch_size=8,
+            epochs=2,
+            lr=0.5,
+            accumulation=student_options.get("gradient_accumulation_steps", 1),
+        )
+        self.assertAllClose(student.get_weights(), weights, atol=1e-6)
+        self.assertAllClose(
+            history.history["sparse_categorical_accuracy"],
+            accuracies,
+            atol=1e-6,
+        )
+
+    def test_a_pair_without_has_aux_names_it(self):
+        """A loss function returning `(loss, aux)` without `has_aux=True`
+        is refused with the call that fixes it, the model unchanged."""
+        student, _ = distillation_networks()
+        weights = student.get_weights()
+        x, _ = distillation_data(4)
+
+        def loss_function():
+            y_pred = student(x)
+            return ops.mean(y_pred), y_pred
+
+        with self.assertRaisesRegex(ValueError, r"has_aux=True"):
+            student.minimize(loss_function, optimizer=keras.optimizers.SGD())
+        self.assertAllClose(student.get_weights(), weights, atol=0)
+
+    def test_has_aux_takes_a_pair(self):
+        """`has_aux=True` with a function returning the loss alone, or a
+        value of `has_aux` that is no bool, is refused."""
+        student, _ = distillation_networks()
+        x, _ = distillation_data(4)
+        with self.assertRaisesRegex(ValueError, r"Received: a result of type"):
+            student.minimize(
+                lambda: ops.mean(student(x)),
+                optimizer=keras.optimizers.SGD(),
+                has_aux=True,
+            )
+        with self.assertRaisesRegex(ValueError, r"has_aux='yes'"):
+            student.minimize(
+                lambda: ops.mean(student(x)),
+                optimizer=keras.optimizers.SGD(),
+                has_aux="yes",
+            )
+
+    def test_eager_call_returns_the_aux_it_computed(self):
+        """Called outside `fit`, `minimize(..., has_aux=True)` returns
+        `(None, aux)`: aux, a nested structure, holds the forward pass'
+        values (before the update) and a Python value as given."""
+        student, _ = distillation_networks()
+        x, _ = distillation_data(4)
+        expected = testing.to_numpy(student(x))
+
+        def loss_function():
+            y_pred = student(x)
+            return ops.mean(y_pred), {"y_pred": y_pred, "step": 3}
+
+        applied, aux = student.minimize(
+            loss_function, optimizer=keras.optimizers.SGD(0.5), has_aux=True
+        )
+        self.assertIsNone(applied)
+        self.assertEqual(aux["step"], 3)
+        self.assertAllClose(testing.to_numpy(aux["y_pred"]), expected)
+        moved = np.max(np.abs(testing.to_numpy(student(x)) - expected))
+        self.assertGreater(moved, 1e-3)  # the update was applied
+
+    @pytest.mark.tensorflow
+    def test_has_aux_with_a_tape_is_refused(self):
+        """The tape form has no loss function to return aux. TensorFlow
+        only: a tf.GradientTape."""
+        import tensorflow as tf
+
+        student, _ = distillation_networks()
+        x, _ = distillation_data(4)
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(student(x))
+        with self.assertRaisesRegex(ValueError, r"has_aux=True. takes a loss"):
+            student.minimize(
+                loss, tape, optimizer=keras.optimizers.SGD(), has_aux=True
+            )
+
+    @pytest.mark.jax
+    def test_a_value_escaping_through_a_closure_names_has_aux(self):
+        """On JAX, predictions taken out of the loss function through a
+        closure fail with a message that names `has_aux=True`. JAX only:
+        the loss function runs inside `jax.value_and_grad`."""
+        import jax
+
+        x, y = distillation_data()
+        distiller = ClosureDistiller(*distillation_networks())
+        distiller.compile(
+            optimizer="sgd", metrics=["sparse_categorical_accuracy"]
+        )
+        with self.assertRaisesRegex(
+            jax.errors.UnexpectedTracerError, r"has_aux=True"
+        ):
+            distiller.fit(x, y, batch_size=8, verbose=0)

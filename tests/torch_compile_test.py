@@ -157,7 +157,8 @@ class TorchCompileTest(testing.TestCase):
     @parameterized.named_parameters(*CONFIGURATIONS)
     def test_compiled_equals_eager(self, build, outputs):
         """Weights, History, `evaluate` and `predict` with
-        `jit_compile=True` equal the eager step's (1e-6); the model keeps
+        `jit_compile=True` equal the eager step's (1e-6; `evaluate` 1e-5,
+        after the weights' differences); the model keeps
         `jit_compile=True`; DP-SGD's per-example passes run eagerly with one
         warning that names them."""
         eager = fitted(build, outputs, jit_compile=False)
@@ -178,9 +179,12 @@ class TorchCompileTest(testing.TestCase):
                 rtol=1e-5,
                 msg=key,
             )
+        # Inductor fuses and reorders float32 sums: a loss of 0.23 from
+        # weights 1e-6 apart has differed by 3.4e-6 (the input gradient
+        # penalty's, differentiated twice).
         for key, value in eager["evaluate"].items():
             self.assertAllClose(
-                compiled["evaluate"][key], value, atol=1e-6, rtol=1e-5
+                compiled["evaluate"][key], value, atol=1e-5, rtol=1e-5
             )
         self.assertAllClose(
             compiled["predict"], eager["predict"], atol=1e-6, rtol=1e-5

@@ -40,6 +40,7 @@ import math
 import secrets
 import warnings
 from collections.abc import Callable
+from collections.abc import Iterator
 from collections.abc import Sequence
 from typing import Any
 
@@ -638,6 +639,10 @@ class _StepFunction(_stateless.StepFunction):
     def _abstract(self, function: Callable[..., Any], *args: Any) -> Any:
         return jax.eval_shape(function, *args)
 
+    def _run(self, data: Any) -> Any:
+        with _escaped_tracers_named():
+            return super()._run(data)
+
     def _compile(self, state: tuple, own: list[Any]) -> Any:
         """Returns the step `jax.jit`-compiled.
 
@@ -648,17 +653,41 @@ class _StepFunction(_stateless.StepFunction):
         """
         self.shardings = _state_shardings(self.groups(), state, own)
         if self.shardings is None:
-            return jax.jit(self._stateless, donate_argnums=(0, 1))
-        return jax.jit(
-            self._stateless,
-            donate_argnums=(0, 1),
-            out_shardings=(None, *self.shardings, None),
-        )
+            step = jax.jit(self._stateless, donate_argnums=(0, 1))
+        else:
+            step = jax.jit(
+                self._stateless,
+                donate_argnums=(0, 1),
+                out_shardings=(None, *self.shardings, None),
+            )
+
+        def named(*args: Any) -> Any:
+            with _escaped_tracers_named():
+                return step(*args)
+
+        return named
 
     def _placed(self, state: tuple, own: list[Any]) -> tuple[tuple, list]:
         if self.shardings is None:
             return state, own
         return jax.device_put((state, own), self.shardings)
+
+
+@contextlib.contextmanager
+def _escaped_tracers_named() -> Iterator[None]:
+    """Names the fix of a value that escaped a differentiated function."""
+    try:
+        yield
+    except jax.errors.UnexpectedTracerError as error:
+        raise jax.errors.UnexpectedTracerError(
+            "The step used a value computed inside a function that JAX "
+            "differentiates (a loss function given to `minimize`) after "
+            "that function returned, through a variable of an enclosing "
+            "scope. Return it with the loss instead: the loss function "
+            "returns `(loss, aux)` and `applied, aux = "
+            "model.minimize(loss_function, has_aux=True)`. JAX's message: "
+            f"{error}"
+        ) from error
 
 
 def _state_shardings(

@@ -201,7 +201,7 @@ class GradientNormHistory(keras.callbacks.Callback):
 class GradientTensorBoard(keras.callbacks.Callback):
     """Writes per-layer gradient norms and histograms for TensorBoard.
 
-    Tags are `gradient_norm/<layer>` (scalars) and `gradients/<layer>`
+    Tags are `grad_norm_step/<layer>` (scalars) and `gradients/<layer>`
     (histograms of all the layer's gradient entries, which needs the model
     built with `keep_gradients=True`). Events go to `<log_dir>/train`, next
     to what `keras.callbacks.TensorBoard` writes there; the writer is
@@ -314,7 +314,7 @@ class GradientTensorBoard(keras.callbacks.Callback):
         step = self.model.inspected_step
         with self._writer.as_default(step=step):
             for layer, norm in self.model.gradient_norms.items():
-                tf.summary.scalar(f"gradient_norm/{layer}", norm)
+                tf.summary.scalar(f"grad_norm_step/{layer}", norm)
             if self._write_histograms:
                 for layer, arrays in self.model.layer_gradients.items():
                     values = np.concatenate([a.ravel() for a in arrays])

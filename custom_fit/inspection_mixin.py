@@ -48,13 +48,14 @@ class GradientInspectionMixin(TrainStepMixin):
       along a model axis that spans hosts) is gathered from every process:
       every process must read it at the same point, as callbacks do (not
       in process 0 alone).
-    - `logs["grad_norm"]`: the global norm, as a running mean over the epoch
-      like the loss; `logs["grad_norm_step"]`: the global norm of the step
-      itself, in batch logs only (a batch-level callback sees each step's,
-      which a running mean hides; epoch logs and History leave it out:
-      the last batch's value is no epoch figure); with a clipping mixin
-      also `logs["grad_norm_clipped"]`,
-      the global norm after clipping (after `transform_gradients`), to see
+    - `logs["grad_norm"]`: the global norm, as a running mean over the
+      epoch's steps, each step counted once (the loss, unlike it, weights
+      each batch by its size); `logs["grad_norm_step"]`: the global norm
+      of the step itself, in batch logs only (a batch-level callback sees
+      each step's, which a running mean hides; epoch logs and History
+      leave it out: the last batch's value is no epoch figure); with a
+      clipping mixin also `logs["grad_norm_clipped"]`, the global norm
+      after clipping (after `transform_gradients`), to see
       how hard clipping bites, and `logs["clip_rate"]`, the share of the
       epoch's steps in which clipping lowered the norm: how often it bites.
 
@@ -74,9 +75,10 @@ class GradientInspectionMixin(TrainStepMixin):
             `model.layer_gradients` (memory: one copy of the trainable
             weights). Defaults to `False`.
         layer_norms_in_logs: Bool. Also log each layer's gradient norm,
-            under `grad_norm/<layer>` (a running mean over the epoch, like
-            `grad_norm`), so that `CSVLogger`, `keras.callbacks.TensorBoard`
-            and any logger reading `logs` get them. Defaults to `False`.
+            under `grad_norm/<layer>` (a running mean over the epoch's
+            steps, like `grad_norm`), so that `CSVLogger`,
+            `keras.callbacks.TensorBoard` and any logger reading `logs` get
+            them. Defaults to `False`.
 
     Example:
 

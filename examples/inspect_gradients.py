@@ -11,7 +11,7 @@ digits and:
 - reads `model.gradient_norms` in a callback after every step, to find
   the layer with the smallest gradient (the one at risk of vanishing);
 - writes TensorBoard logs in `--output_dir/logs` (Keras' scalars, plus
-  `gradient_norm/<layer>` scalars and `gradients/<layer>` histograms);
+  `grad_norm_step/<layer>` scalars and `gradients/<layer>` histograms);
 - writes `--output_dir/gradient_norms.png` (per-layer norms over training,
   log scale) and `--output_dir/gradient_norms.csv`;
 - prints the last step's statistics per layer and the validation accuracy.

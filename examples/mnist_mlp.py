@@ -7,7 +7,7 @@ MNIST, downloaded once) with `custom_fit.GradientClippingMixin` and
 each training step (no second pass over the data):
 
 - TensorBoard logs in `--output_dir/logs` (Keras' own scalars, plus
-  `gradient_norm/<layer>` and `gradients/<layer>` histograms);
+  `grad_norm_step/<layer>` and `gradients/<layer>` histograms);
 - `--output_dir/gradient_norms.png`, the per-layer norms on a log scale;
 - `--output_dir/gradient_norms.csv`, the same numbers.
 

@@ -74,8 +74,8 @@ class GradientTensorBoardTest(testing.TestCase):
         accumulator, tags = event_tags(os.path.join(log_dir, "train"))
         self.assertTrue(
             {
-                "gradient_norm/hidden",
-                "gradient_norm/output",
+                "grad_norm_step/hidden",
+                "grad_norm_step/output",
                 "gradients/hidden",
                 "gradients/output",
                 "epoch_loss",  # written by keras.callbacks.TensorBoard
@@ -84,7 +84,7 @@ class GradientTensorBoardTest(testing.TestCase):
             tags,
         )
         # 8 batches, written every 2 calls: steps 2, 4, 6, 8.
-        steps = [e.step for e in accumulator.Tensors("gradient_norm/hidden")]
+        steps = [e.step for e in accumulator.Tensors("grad_norm_step/hidden")]
         self.assertEqual(steps, [2, 4, 6, 8])
 
     def test_no_event_files_when_nothing_is_logged(self):
@@ -126,7 +126,7 @@ class GradientTensorBoardTest(testing.TestCase):
         self.assertIn("keep_gradients=True", str(said[0].message))
         _, tags = event_tags(os.path.join(log_dir, "train"))
         self.assertTrue(
-            {"gradient_norm/hidden", "gradient_norm/output"} <= tags, tags
+            {"grad_norm_step/hidden", "grad_norm_step/output"} <= tags, tags
         )
         self.assertEqual({t for t in tags if t.startswith("gradients/")}, set())
 
@@ -139,7 +139,7 @@ class GradientTensorBoardTest(testing.TestCase):
         self.assertEqual(board.update_freq, 1)
         fitted([board], epochs=1)
         accumulator, _ = event_tags(os.path.join(log_dir, "train"))
-        steps = [e.step for e in accumulator.Tensors("gradient_norm/hidden")]
+        steps = [e.step for e in accumulator.Tensors("grad_norm_step/hidden")]
         self.assertEqual(steps, [1, 2, 3, 4])
 
     def test_accumulating_batches_write_nothing(self):
@@ -157,7 +157,7 @@ class GradientTensorBoardTest(testing.TestCase):
             keep_gradients=True,
         )
         accumulator, _ = event_tags(os.path.join(log_dir, "train"))
-        for tag in ("gradient_norm/hidden", "gradients/hidden"):
+        for tag in ("grad_norm_step/hidden", "gradients/hidden"):
             steps = [e.step for e in accumulator.Tensors(tag)]
             self.assertEqual(steps, [1, 2])
 
@@ -170,7 +170,7 @@ class GradientTensorBoardTest(testing.TestCase):
         board.log_dir = tempfile.mkdtemp()
         fitted([board], epochs=1)
         accumulator, _ = event_tags(os.path.join(board.log_dir, "train"))
-        steps = [e.step for e in accumulator.Tensors("gradient_norm/hidden")]
+        steps = [e.step for e in accumulator.Tensors("grad_norm_step/hidden")]
         self.assertEqual(steps, [1, 2, 3, 4])
 
     @parameterized.named_parameters(

@@ -238,11 +238,11 @@ class JaxMultiProcessTest(testing.TestCase):
         accumulator, tags = event_tags(
             os.path.join(output_dir, f"logs_{label}", "train")
         )
-        expected = {f"gradient_norm/{layer}" for layer in _LAYERS}
+        expected = {f"grad_norm_step/{layer}" for layer in _LAYERS}
         expected |= {f"gradients/{layer}" for layer in _LAYERS}
         self.assertEqual(tags, expected)
         for layer in _LAYERS:
-            events = accumulator.Tensors(f"gradient_norm/{layer}")
+            events = accumulator.Tensors(f"grad_norm_step/{layer}")
             self.assertEqual(
                 [event.step for event in events], list(range(1, 7))
             )

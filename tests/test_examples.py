@@ -194,7 +194,7 @@ class TestExamples:
         accumulator.Reload()
         tags = set(accumulator.Tags()["tensors"])
         for layer in layers:
-            assert f"gradient_norm/{layer}" in tags, tags
+            assert f"grad_norm_step/{layer}" in tags, tags
             assert f"gradients/{layer}" in tags, tags
         assert "epoch_loss" in tags, tags  # Keras' TensorBoard, same dir
 

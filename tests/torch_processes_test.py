@@ -236,11 +236,11 @@ class TorchProcessesTest(testing.TestCase):
                 os.path.join(self.output_dir, f"tb_{label}", "train")
             )
             self.assertEqual(
-                tags, {"gradient_norm/hidden", "gradient_norm/logits_0"}
+                tags, {"grad_norm_step/hidden", "grad_norm_step/logits_0"}
             )
             read[label] = [
                 (e.step, float(tensor_util.make_ndarray(e.tensor_proto)))
-                for e in accumulator.Tensors("gradient_norm/hidden")
+                for e in accumulator.Tensors("grad_norm_step/hidden")
             ]
         self.assertEqual(
             [s for s, _ in read["process_0"]], [s for s, _ in read["single"]]

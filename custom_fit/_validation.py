@@ -349,26 +349,6 @@ def logs_selection(name: str, value: Any) -> Any:
     )
 
 
-def names_or_default(
-    default: tuple[str, ...],
-) -> Callable[[str, Any], tuple[str, ...]]:
-    """Returns a validator of a names list where `None` means `default`.
-
-    Args:
-        default: Tuple of names used for `None`.
-
-    Returns:
-        A callable `(name, value) -> tuple` that returns `default` for
-        `None` and otherwise checks `value` as `names_or_none` does.
-    """
-
-    def validate(name: str, value: Any) -> tuple[str, ...]:
-        names = names_or_none(name, value)
-        return default if names is None else names
-
-    return validate
-
-
 def known_names(
     name: str,
     value: Collection[str] | None,

@@ -21,20 +21,12 @@ from custom_fit._types import Tensor
 from custom_fit._types import Variable
 from custom_fit._types import Weight
 
-# Variable names penalized by default: weight matrices, not biases or
-# normalization scales and offsets. The LoRA factors that Keras' `Dense`,
-# `EinsumDense`, convolutions and `Embedding` add with `enable_lora` are
-# weight matrices too; the kernels they adapt are frozen (not trainable),
-# so under LoRA the factors are what `l1` and `l2` act on.
-DEFAULT_PENALIZED_NAMES = (
-    "kernel",
-    "embeddings",
-    "depthwise_kernel",
-    "lora_kernel_a",
-    "lora_kernel_b",
-    "lora_embeddings_a",
-    "lora_embeddings_b",
-)
+# Variables of two or more dimensions that are no weight matrix, by name:
+# biases (`EinsumDense` and `MultiHeadAttention` keep one per head and
+# unit), normalization scales and offsets over several axes
+# (`LayerNormalization(axis=[1, 2])`'s `gamma` and `beta`, an RMS norm's
+# `scale`), and `PReLU`'s slopes per position and channel (`alpha`).
+NOT_WEIGHT_MATRICES = ("bias", "gamma", "beta", "scale", "alpha")
 INPUT_GRADIENT_FORMS = ("squared_norm", "wgan_gp")
 
 # Added under the square root of the WGAN-GP norm: the gradient of the norm
@@ -64,18 +56,55 @@ def variable_name(variable: Variable) -> str:
     return path.split("/")[-1].split(":")[0]
 
 
+def is_weight_matrix(variable: Variable) -> bool:
+    """Whether `variable` is a weight matrix: what `l1` and `l2` act on.
+
+    A weight matrix has two or more dimensions and is no bias or
+    per-unit vector: every kernel (`Dense`, `EinsumDense`, convolutions,
+    attention projections), the recurrent kernels of `LSTM`, `GRU`,
+    `SimpleRNN` and `ConvLSTM`, the depthwise and pointwise kernels of
+    separable convolutions, embeddings, LoRA factors, and a custom layer's
+    matrices whatever their names. Not: one-dimensional variables
+    (biases, normalization scales and offsets), and variables named
+    `bias`, `gamma`, `beta`, `scale` or `alpha` (`NOT_WEIGHT_MATRICES`:
+    biases per head and unit, scales and offsets over several axes,
+    `PReLU`'s slopes). These are exactly the weights that Keras' built-in
+    layers regularize with `kernel_regularizer`, `recurrent_regularizer`,
+    `embeddings_regularizer`, `depthwise_regularizer` and
+    `pointwise_regularizer`.
+
+    Args:
+        variable: A Keras variable.
+
+    Returns:
+        Bool.
+
+    Example:
+
+    ```python
+    >>> layer = keras.layers.LSTM(4)
+    >>> layer.build((None, 5, 3))
+    >>> [variable_name(v) for v in layer.weights if is_weight_matrix(v)]
+    ['kernel', 'recurrent_kernel']
+    ```
+    """
+    return (
+        len(variable.shape) >= 2
+        and variable_name(variable) not in NOT_WEIGHT_MATRICES
+    )
+
+
 def select_variables(
     variables: Iterable[Variable],
-    names: Collection[str] = DEFAULT_PENALIZED_NAMES,
+    names: Collection[str] | None = None,
 ) -> list[Variable]:
-    """Returns the variables whose name (last path component) is in `names`.
+    """Returns the weight matrices among `variables`, or those named so.
 
     Args:
         variables: List of variables, e.g. `model.trainable_variables`.
-        names: Collection of variable names. Defaults to weight matrices
-            (`kernel`, `embeddings`, `depthwise_kernel`, and the LoRA
-            factors `lora_kernel_a`/`_b`, `lora_embeddings_a`/`_b`): not
-            biases, not normalization `gamma`/`beta`.
+        names: Collection of variable names (the last path component), or
+            `None` (the default) for every weight matrix
+            (`is_weight_matrix`).
 
     Returns:
         The selected variables, in order.
@@ -83,11 +112,13 @@ def select_variables(
     Example:
 
     ```python
-    kernels = select_variables(model.trainable_variables)
-    everything_but_biases = [
-        v for v in model.trainable_variables if variable_name(v) != "bias"]
+    matrices = select_variables(model.trainable_variables)
+    kernels_and_biases = select_variables(
+        model.trainable_variables, ["kernel", "bias"])
     ```
     """
+    if names is None:
+        return [v for v in variables if is_weight_matrix(v)]
     return [v for v in variables if variable_name(v) in names]
 
 

@@ -45,12 +45,17 @@ class RegularizationMixin(TrainStepMixin):
             variables (the `keras.regularizers.L2` formula).
         penalized_variable_names: List of variable names (the last path
             component) of the trainable variables that `l1` and `l2` act
-            on. Defaults to weight matrices: `("kernel", "embeddings",
-            "depthwise_kernel")` and the LoRA factors that `enable_lora`
-            adds (`"lora_kernel_a"`, `"lora_kernel_b"`,
-            `"lora_embeddings_a"`, `"lora_embeddings_b"`), not biases nor
-            normalization `gamma`/`beta`. Pass for example
-            `["kernel", "bias"]` to include biases. Under LoRA the kernels
+            on, or `None` (the default) for every trainable weight matrix
+            (`custom_fit.regularization.is_weight_matrix`): every variable
+            of two or more dimensions but biases, normalization scales and
+            offsets and `PReLU`'s slopes; so kernels, recurrent kernels
+            (`LSTM`, `GRU`, `SimpleRNN`, `ConvLSTM`), depthwise and
+            pointwise kernels, embeddings, LoRA factors and a custom
+            layer's matrices, the weights Keras' layers regularize with
+            `kernel_regularizer`, `recurrent_regularizer`,
+            `embeddings_regularizer`, `depthwise_regularizer` and
+            `pointwise_regularizer`. Pass for example
+            `["kernel", "bias"]` to choose by name. Under LoRA the kernels
             being adapted are frozen (not trainable) and never penalized:
             the penalty acts on the factors that train, `A` and `B`
             (`l2 * (sum(A**2) + sum(B**2))`), not on the merged kernel
@@ -112,8 +117,8 @@ class RegularizationMixin(TrainStepMixin):
         logged_as="l2_weight",
     )
     penalized_variable_names = _options.Option(
-        regularization.DEFAULT_PENALIZED_NAMES,
-        _validation.names_or_default(regularization.DEFAULT_PENALIZED_NAMES),
+        None,
+        _validation.names_or_none,
         requires=("l1", "l2"),
     )
     input_gradient_penalty = _options.Option(
@@ -245,6 +250,17 @@ class RegularizationMixin(TrainStepMixin):
             variables, self.penalized_variable_names
         )
         if (self.l1 is not None or self.l2 is not None) and not penalized:
+            if self.penalized_variable_names is None:
+                raise ValueError(
+                    "l1 and l2 act on the model's trainable weight matrices "
+                    "(variables of two or more dimensions but biases, "
+                    "normalization scales and offsets), and this model has "
+                    "none. Received: l1="
+                    f"{self.l1!r}, l2={self.l2!r} on trainable variables "
+                    f"{[regularization.variable_name(v) for v in variables]}"
+                    ". Name the variables to penalize with "
+                    "penalized_variable_names=[...]."
+                )
             _validation.known_names(
                 "penalized_variable_names",
                 self.penalized_variable_names,

@@ -923,3 +923,189 @@ class InputDtypeTest(testing.TestCase):
             model.fit(data, y, batch_size=16, verbose=0)
             models.append(model)
         self.assertWeightsClose(models[0], models[1])
+
+
+# Every built-in Keras layer with trainable weights, built on an input of
+# the given shape (batch included). Layers whose constructor takes a
+# regularizer of its weight matrices (`*_regularizer` but bias, gamma,
+# beta, alpha and activity) are built with an L2 one on each: Keras' own
+# penalty is the oracle of the default rule. The others (normalizations,
+# PReLU, attention scales) have no weight matrix to penalize.
+_MATRIX_REGULARIZERS = (
+    "kernel_regularizer",
+    "recurrent_regularizer",
+    "embeddings_regularizer",
+    "depthwise_regularizer",
+    "pointwise_regularizer",
+)
+_OTHER_REGULARIZERS = (
+    "bias_regularizer",
+    "beta_regularizer",
+    "gamma_regularizer",
+    "alpha_regularizer",
+    "activity_regularizer",
+)
+_LAYERS = (
+    ("Dense", dict(units=3), (2, 4)),
+    (
+        "EinsumDense",
+        dict(equation="ab,bcd->acd", output_shape=(2, 3), bias_axes="cd"),
+        (2, 4),
+    ),
+    ("Embedding", dict(input_dim=7, output_dim=3), (2, 5)),
+    ("Conv1D", dict(filters=2, kernel_size=2), (2, 5, 3)),
+    ("Conv2D", dict(filters=2, kernel_size=2), (2, 4, 4, 3)),
+    ("Conv3D", dict(filters=2, kernel_size=2), (2, 3, 3, 3, 2)),
+    ("Conv1DTranspose", dict(filters=2, kernel_size=2), (2, 5, 3)),
+    ("Conv2DTranspose", dict(filters=2, kernel_size=2), (2, 4, 4, 3)),
+    ("Conv3DTranspose", dict(filters=2, kernel_size=2), (2, 3, 3, 3, 2)),
+    ("DepthwiseConv1D", dict(kernel_size=2), (2, 5, 3)),
+    ("DepthwiseConv2D", dict(kernel_size=2), (2, 4, 4, 3)),
+    ("SeparableConv1D", dict(filters=2, kernel_size=2), (2, 5, 3)),
+    ("SeparableConv2D", dict(filters=2, kernel_size=2), (2, 4, 4, 3)),
+    ("SimpleRNN", dict(units=3), (2, 4, 3)),
+    ("GRU", dict(units=3), (2, 4, 3)),
+    ("LSTM", dict(units=3), (2, 4, 3)),
+    ("SimpleRNNCell", dict(units=3), (2, 3)),
+    ("GRUCell", dict(units=3), (2, 3)),
+    ("LSTMCell", dict(units=3), (2, 3)),
+    ("ConvLSTM1D", dict(filters=2, kernel_size=2), (2, 3, 5, 2)),
+    ("ConvLSTM2D", dict(filters=2, kernel_size=2), (2, 3, 4, 4, 2)),
+    ("ConvLSTM3D", dict(filters=2, kernel_size=2), (2, 2, 3, 3, 3, 2)),
+    ("MultiHeadAttention", dict(num_heads=2, key_dim=3), (2, 4, 5)),
+    (
+        "GroupQueryAttention",
+        dict(head_dim=2, num_query_heads=2, num_key_value_heads=1),
+        (2, 4, 5),
+    ),
+    ("ReversibleEmbedding", dict(input_dim=7, output_dim=3), (2, 5)),
+    ("BatchNormalization", {}, (2, 3)),
+    ("LayerNormalization", dict(axis=[1, 2]), (2, 3, 4)),
+    ("GroupNormalization", dict(groups=2), (2, 4)),
+    ("RMSNormalization", dict(axis=[1, 2]), (2, 3, 4)),
+    ("PReLU", {}, (2, 3, 3, 2)),
+    ("Attention", dict(use_scale=True), (2, 4, 3)),
+    ("AdditiveAttention", {}, (2, 4, 3)),
+)
+# Called on a query and a value: as two arguments, or as a list.
+_CALLED_ON_TWO = ("MultiHeadAttention", "GroupQueryAttention")
+_CALLED_ON_A_LIST = ("Attention", "AdditiveAttention")
+
+
+def _built_layer(name, kwargs, shape):
+    """The layer, built on `shape` (called once), with L2(0.01) on each of
+    its weight-matrix regularizers."""
+    cls = getattr(keras.layers, name)
+    parameters = inspect.signature(cls.__init__).parameters
+    regularizers = {
+        p: keras.regularizers.L2(0.01)
+        for p in _MATRIX_REGULARIZERS
+        if p in parameters
+    }
+    layer = cls(**kwargs, **regularizers)
+    dtype = "int32" if "Embedding" in name else "float32"
+    x = ops.ones(shape, dtype)
+    if name in _CALLED_ON_TWO:
+        layer(x, x)
+    elif name in _CALLED_ON_A_LIST:
+        layer([x, x])
+    elif name.endswith("Cell"):
+        layer(x, [ops.zeros((shape[0], 3))] * (2 if name == "LSTMCell" else 1))
+    else:
+        layer(x)
+    return layer, bool(regularizers)
+
+
+class WeightMatrixRuleTest(testing.TestCase):
+    def test_every_regularizable_layer_is_covered(self):
+        """Every class of `keras.layers` whose constructor takes a
+        regularizer of its weights is in the table (a new Keras layer makes
+        this fail until it is added)."""
+        covered = {getattr(keras.layers, name) for name, _, _ in _LAYERS}
+        missing = []
+        for name in dir(keras.layers):
+            cls = getattr(keras.layers, name)
+            if not (
+                inspect.isclass(cls) and issubclass(cls, keras.layers.Layer)
+            ):
+                continue
+            parameters = inspect.signature(cls.__init__).parameters
+            weights = [
+                p
+                for p in parameters
+                if p.endswith("_regularizer") and p != "activity_regularizer"
+            ]
+            if weights and cls not in covered:
+                missing.append(name)
+        self.assertEqual(missing, [])
+
+    @parameterized.named_parameters(
+        (name, name, kwargs, shape) for name, kwargs, shape in _LAYERS
+    )
+    def test_default_penalty_is_keras_regularizers_of_the_matrices(
+        self, name, kwargs, shape
+    ):
+        """l2 on the default selection of the layer's trainable weights
+        equals the sum of the L2 penalties Keras adds for its matrix
+        regularizers (kernel, recurrent, embeddings, depthwise, pointwise):
+        the recurrent and pointwise kernels are in, biases, normalization
+        scales and offsets (over two axes) and PReLU's slopes (of three
+        dimensions) are out."""
+        if not hasattr(keras.layers, name):
+            self.skipTest(f"keras.layers.{name} is not in this Keras")
+        layer, regularized = _built_layer(name, kwargs, shape)
+        self.assertNotEmpty(layer.trainable_weights)
+        keras_penalty = sum(
+            float(testing.to_numpy(loss)) for loss in layer.losses
+        )
+        selected = regularization.select_variables(layer.trainable_weights)
+        ours = float(
+            testing.to_numpy(regularization.l2_penalty(selected, 0.01))
+        )
+        self.assertAllClose(ours, keras_penalty, rtol=1e-5)
+        self.assertEqual(bool(selected), regularized)
+        self.assertFalse(
+            any(regularization.variable_name(v) == "bias" for v in selected)
+        )
+
+    def test_an_lstm_models_l2_penalty_holds_its_recurrent_kernel(self):
+        """Through the mixin: an LSTM model's logged l2_penalty equals
+        Keras' L2 regularizers on its kernel, recurrent kernel and the
+        Dense kernel (it left the recurrent kernel out before)."""
+
+        def model(cls, **options):
+            inputs = keras.Input((4, 3))
+            hidden = keras.layers.LSTM(
+                5,
+                kernel_initializer=keras.initializers.GlorotUniform(1),
+                recurrent_initializer=keras.initializers.Orthogonal(seed=2),
+                **options,
+            )(inputs)
+            dense_options = {k: v for k, v in options.items()}
+            dense_options.pop("recurrent_regularizer", None)
+            outputs = keras.layers.Dense(
+                2,
+                kernel_initializer=keras.initializers.GlorotUniform(3),
+                **dense_options,
+            )(hidden)
+            return cls(inputs, outputs)
+
+        l2 = keras.regularizers.L2(0.01)
+        keras_model = model(
+            keras.Model, kernel_regularizer=l2, recurrent_regularizer=l2
+        )
+        expected = sum(float(testing.to_numpy(v)) for v in keras_model.losses)
+        ours = compiled(model(lambda i, o: Net(i, o, l2=0.01)))
+        x = np.ones((4, 4, 3), "float32")
+        logs = ours.evaluate(x, np.zeros(4), verbose=0, return_dict=True)
+        self.assertAllClose(logs["l2_penalty"], expected, rtol=1e-5)
+
+    def test_a_model_without_weight_matrices_is_refused(self):
+        """l2 on a model with no weight matrix (a normalization alone)
+        names the variables and the option that selects by name."""
+        inputs = keras.Input((3,))
+        outputs = keras.layers.LayerNormalization()(inputs)
+        with self.assertRaisesRegex(
+            ValueError, r"has none.*\['gamma', 'beta'\].*penalized_variable"
+        ):
+            Net(inputs, outputs, l2=0.01)

@@ -2,7 +2,10 @@
 
 `TrainStepMixin.layer_names_of` names, for each variable, the entry of
 `model.layers` that owns it, descending `layer_depth - 1` levels into
-models used as layers (`"encoder/dense_1"`).
+models used as layers (`"encoder/dense_1"`); with `layer_depth=None` (the
+default), into every model at any depth, so that a group is a layer, never
+a model (the model one wrapped, a keras-hub backbone, a Sequential
+encoder).
 """
 
 import weakref
@@ -13,6 +16,14 @@ from typing import Any
 # An eager step asks at every step; the variables are kept so that their
 # ids stay theirs while the entry lives.
 _NAMES: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+
+# `layer_depth=None`: deeper than any model nests.
+_EVERY_LEVEL = 2**31 - 1
+
+
+def _levels(depth: int | None) -> int:
+    """The levels of `model.layers` that a `layer_depth` groups by."""
+    return _EVERY_LEVEL if depth is None else depth
 
 
 def assign_owners(
@@ -35,7 +46,7 @@ def assign_owners(
             owners.setdefault(id(variable), path)
 
 
-def group_names(model: Any, depth: int) -> list[str]:
+def group_names(model: Any, depth: int | None) -> list[str]:
     """Returns the name of every group of `model`, frozen layers included.
 
     The entries of `model.layers` and, with `depth` above 1, the layers
@@ -44,8 +55,9 @@ def group_names(model: Any, depth: int) -> list[str]:
 
     Args:
         model: The model (or a layer that has `layers`).
-        depth: Integer, the `layer_depth` option.
+        depth: Integer or `None`, the `layer_depth` option.
     """
+    depth = _levels(depth)
     names = []
     for layer in model.layers:
         names.append(layer.name)
@@ -71,18 +83,19 @@ def _names_within(model: Any, depth: int) -> tuple:
     )
 
 
-def layer_names(model: Any, variables: Any, depth: int) -> list[str]:
+def layer_names(model: Any, variables: Any, depth: int | None) -> list[str]:
     """Returns, for each variable, the name of the group that owns it.
 
     Args:
         model: The model.
         variables: List of variables of the model.
-        depth: Integer, the `layer_depth` option.
+        depth: Integer or `None`, the `layer_depth` option.
 
     Returns:
         A list of group names aligned with `variables`; a variable that no
         entry of `model.layers` owns gets the model's name.
     """
+    depth = _levels(depth)
     variables = list(variables)
     # Freezing a layer changes which of its variables it owns here, and a
     # renamed layer names its group anew.

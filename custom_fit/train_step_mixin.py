@@ -159,11 +159,16 @@ class TrainStepMixin(
             running average. Defaults to 0.99.
         gradient_norm_warmup_steps: Integer. Applied updates before the
             relative rule applies. Defaults to 20.
-        layer_depth: Integer. How deep layers nest in the groups of
-            inspection and of `layer_clipnorm`/`clip_layers`: 1 (default)
-            groups by the entries of `model.layers`; 2 splits a model used
-            as a layer into its own layers (`"encoder/dense_1"`), and so on.
-            Needs inspection or layer-wise clipping.
+        layer_depth: Integer or `None`. How deep layers nest in the groups
+            of inspection and of `layer_clipnorm`/`clip_layers`. `None`
+            (the default): a group is a layer, never a model; a model used
+            as a layer (the model you wrapped, `Net(inputs,
+            base(inputs))`, a keras-hub task's backbone, a `Sequential`
+            encoder) is split into its layers at any depth, named by their
+            path (`"encoder/dense_1"`; `clip_layers=["encoder"]` selects
+            them all). 1 groups by the entries of `model.layers` (a nested
+            model is one group); 2 splits a model used as a layer into its
+            own layers, and so on. Needs inspection or layer-wise clipping.
         per_loss_gradients: `False`, `"outputs"` or
             `"outputs_and_penalties"`. With `"outputs"`, the compiled loss
             of each output of the model is differentiated on its own (one
@@ -244,8 +249,8 @@ class TrainStepMixin(
     )
     progress_bar_logs = _options.Option(None, _validation.logs_selection)
     layer_depth = _options.Option(
-        1,
-        _validation.positive_int,
+        None,
+        _validation.positive_int_or_none,
         requires=("layer_clipnorm", "clip_layers", "no_clip_layers"),
         or_capability="groups_by_layer",
     )
@@ -521,7 +526,8 @@ class TrainStepMixin(
             no entry of `self.layers` owns (created by the model itself) gets
             the model's name. With `layer_depth=2` (or more), a model used
             as a layer (a `keras.Sequential` encoder) is split into its own
-            layers, named by their path: `"encoder/dense_1"`.
+            layers, named by their path: `"encoder/dense_1"`; with
+            `layer_depth=None` (the default), every model at any depth.
         """
         return _layer_groups.layer_names(self, variables, self.layer_depth)
 

@@ -38,6 +38,10 @@ EXPECTED = {
         "Fine-tuning a pretrained custom_fit model",
     ): r"\['loss', 'val_loss'\]",
     ("docs/guides/skipping.md", "Spikes"): r"\[1\.0\]",
+    ("docs/guides/inspection.md", "A model you already have"): (
+        r"\['base/hidden', 'base/logits'\]\s+\['hidden', 'logits'\]\s+"
+        r"(\['base/hidden', 'base/logits'\]\s+){2}$"
+    ),
     (
         "docs/guides/several-networks.md",
         "A teacher and a student: what the loss computed, handed back",

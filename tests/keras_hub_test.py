@@ -345,6 +345,17 @@ class LayerDepthTest(testing.TestCase):
         else:
             self.assertContainsSubset(blocks, set(groups))
 
+    def test_the_default_groups_by_transformer_layer_too(self):
+        """Without `layer_depth`, the task (a model around its backbone) is
+        grouped by the backbone's layers, as `layer_depth=2` groups it: no
+        group is the whole backbone."""
+        backbone = gpt2_backbone()
+        task = InspectedLM(backbone=backbone, preprocessor=None)
+        variables = task.trainable_variables
+        groups = task.layer_names_of(variables)
+        self.assertEqual(groups, [block_of(backbone, v) for v in variables])
+        self.assertNotIn(backbone.name, groups)
+
     def test_layer_norms_equal_hand_computed_gradients(self):
         """`gradient_norms` and `grad_norm/<layer>` logs per transformer
         layer equal the norms of gradients taken by hand, grouped by the

@@ -319,9 +319,9 @@ class LayerDepthTest(testing.TestCase):
         )
 
     def test_depth_one_keeps_the_nested_model_whole(self):
-        """With the default layer_depth=1 the encoder is one group."""
+        """With layer_depth=1 the encoder is one group."""
         x, y = testing.classification_data(samples=16)
-        model = nested_model(Inspected)
+        model = nested_model(Inspected, layer_depth=1)
         fit(compiled(model), x, y, epochs=1)
         self.assertEqual(set(model.gradient_norms), {"encoder", "head"})
 
@@ -597,3 +597,121 @@ class ProgressBarLogsTest(testing.TestCase):
             ValueError, r"Received: progress_bar_logs='loss'"
         ):
             testing.mlp(Inspected, progress_bar_logs="loss")
+
+
+class BothMixins(
+    custom_fit.GradientClippingMixin,
+    custom_fit.GradientInspectionMixin,
+    keras.Model,
+):
+    pass
+
+
+class SubclassedWrapper(
+    custom_fit.GradientClippingMixin,
+    custom_fit.GradientInspectionMixin,
+    keras.Model,
+):
+    """A subclassed model around a model one already has. (Not a subclass
+    of `BothMixins`: Keras makes a class functional in place once it is
+    called with inputs and outputs, and its subclasses with it.)"""
+
+    def __init__(self, base, **kwargs):
+        super().__init__(**kwargs)
+        self.base = base
+
+    def call(self, x):
+        return self.base(x)
+
+
+def base_model(kind):
+    """`nested_model`'s layers (the encoder d1, d2, then head), as a
+    functional or a Sequential model named "base"."""
+    nested = nested_model()
+    if kind == "sequential":
+        return keras.Sequential(
+            [
+                keras.Input((4,)),
+                nested.get_layer("encoder"),
+                nested.get_layer("head"),
+            ],
+            name="base",
+        )
+    return keras.Model(nested.inputs, nested.outputs, name="base")
+
+
+def wrapped(kind, **options):
+    """A custom_fit model with `options` around a base model."""
+    if kind == "subclassed":
+        return SubclassedWrapper(base_model("functional"), **options)
+    if kind == "inputs_and_outputs":
+        base = base_model("functional")
+        return BothMixins(base.inputs, base.outputs, **options)
+    inputs = keras.Input((4,))
+    return BothMixins(inputs, base_model(kind)(inputs), **options)
+
+
+class WrappedModelTest(testing.TestCase):
+    @parameterized.named_parameters(
+        ("functional", "functional", "base/"),
+        ("sequential", "sequential", "base/"),
+        ("subclassed", "subclassed", "base/"),
+        ("inputs_and_outputs", "inputs_and_outputs", ""),
+    )
+    def test_a_wrapped_model_keeps_its_layers(self, kind, prefix):
+        """A model one already has, wrapped as a functional, Sequential or
+        subclassed model's layer or rebuilt from its inputs and outputs, is
+        grouped by its own layers at any depth by default: per-layer norms
+        (the model's and the logs'), and per-layer clipping, equal SGD by
+        hand on the layers' gradients, each layer clipped on its own."""
+        x, y = testing.classification_data()
+        bound = 0.1
+        model = wrapped(kind, layer_clipnorm=bound, layer_norms_in_logs=True)
+        history = fit(compiled(model), x, y)
+        layers = {prefix + name: v for name, v in NESTED_LAYERS.items()}
+        groups = [name for name, indices in layers.items() for _ in indices]
+
+        def clip(grads):
+            return testing.numpy_clip_by_group_norm(grads, groups, bound)
+
+        oracle = nested_model()
+        figures = oracle_steps(oracle, x, y, 8, layers, clip=clip)
+        self.assertEqual(set(model.gradient_norms), set(layers))
+        for layer in layers:
+            self.assertAllClose(
+                model.gradient_norms[layer], figures[-1][layer], rtol=1e-5
+            )
+            self.assertAllClose(
+                history[f"grad_norm/{layer}"],
+                epoch_means(figures, layer),
+                rtol=1e-5,
+                msg=layer,
+            )
+            self.assertGreater(figures[0][layer], bound, layer)
+        self.assertWeightsClose(model, oracle, atol=2e-6)
+
+    def test_clip_layers_name_the_wrapped_model_or_a_layer_in_it(self):
+        """`clip_layers=["base/head"]` clips that layer alone (SGD by hand
+        with only its gradients clipped); `["base"]` is accepted (it
+        selects every layer inside), a name it does not have is refused
+        with the groups' names."""
+        x, y = testing.classification_data()
+        bound = 0.1
+        model = wrapped(
+            "functional", layer_clipnorm=bound, clip_layers=["base/head"]
+        )
+        fit(compiled(model), x, y)
+        groups = ["rest"] * 4 + ["head"] * 2
+
+        def clip(grads):
+            clipped = testing.numpy_clip_by_group_norm(grads, groups, bound)
+            return list(grads[:4]) + list(clipped[4:])
+
+        oracle = nested_model()
+        oracle_steps(oracle, x, y, 8, NESTED_LAYERS, clip=clip)
+        self.assertWeightsClose(model, oracle, atol=2e-6)
+        wrapped("functional", layer_clipnorm=bound, clip_layers=["base"])
+        with self.assertRaisesRegex(
+            ValueError, r"\['encoder'\].*'base/encoder/d1'"
+        ):
+            wrapped("functional", layer_clipnorm=bound, clip_layers=["encoder"])

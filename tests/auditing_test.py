@@ -12,6 +12,7 @@ for them.
 
 import dp_accounting
 import numpy as np
+import pytest
 import scipy.stats
 from absl.testing import parameterized
 
@@ -46,6 +47,7 @@ def deterministic_normal(shift, count):
     return scipy.stats.norm.ppf(levels) + shift
 
 
+@pytest.mark.backend_independent  # NumPy and SciPy only
 class EpsilonLowerBoundTest(parameterized.TestCase):
     @parameterized.parameters(1.0, 2.0)
     def test_valid_on_randomized_response(self, epsilon):

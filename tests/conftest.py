@@ -2,7 +2,10 @@
 
 The suite runs once per backend (`KERAS_BACKEND=tensorflow`, `jax`, then
 `torch`; see `.ci/run`). Tests about one backend only are marked
-`tensorflow`, `jax` or `torch` and skipped on the others.
+`tensorflow`, `jax` or `torch` and skipped on the others. Tests of code
+that runs no backend operation (accounting, the audit's statistics, the
+sampler's draws: NumPy and dp-accounting) are marked `backend_independent`
+and run once, in the pass of the default backend (TensorFlow).
 """
 
 import os
@@ -55,6 +58,8 @@ else:
     tf.config.experimental.enable_tensor_float_32_execution(False)
 
 _BACKEND_MARKERS = ("tensorflow", "jax", "torch")
+# The pass that runs the `backend_independent` tests.
+_INDEPENDENT_PASS = "tensorflow"
 
 
 def pytest_configure(config):
@@ -63,6 +68,11 @@ def pytest_configure(config):
         config.addinivalue_line(
             "markers", f"{name}: runs only with KERAS_BACKEND={name}"
         )
+    config.addinivalue_line(
+        "markers",
+        "backend_independent: runs no backend operation; runs once, with "
+        f"KERAS_BACKEND={_INDEPENDENT_PASS}",
+    )
 
 
 def pytest_unconfigure(config):
@@ -80,3 +90,12 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(
                     pytest.mark.skip(reason=f"needs KERAS_BACKEND={name}")
                 )
+        if BACKEND != _INDEPENDENT_PASS and item.get_closest_marker(
+            "backend_independent"
+        ):
+            item.add_marker(
+                pytest.mark.skip(
+                    reason="runs no backend operation: run once, with "
+                    f"KERAS_BACKEND={_INDEPENDENT_PASS}"
+                )
+            )

@@ -1007,6 +1007,7 @@ class RefusalTest(testing.TestCase):
             model.fit(x, y, batch_size=BATCH, verbose=0)
 
 
+@pytest.mark.backend_independent  # accounting: dp-accounting's and NumPy
 class EpsilonTest(testing.TestCase):
     @parameterized.parameters("rdp", "pld")
     def test_equals_dp_accounting(self, accountant):
@@ -1064,6 +1065,7 @@ class EpsilonTest(testing.TestCase):
         self.assertAllClose(actual, expected, rtol=1e-9, atol=0)
 
 
+@pytest.mark.backend_independent  # accounting: dp-accounting's and NumPy
 class CalibrateNoiseTest(testing.TestCase):
     @parameterized.named_parameters(
         ("rdp_poisson", "rdp", "poisson", 3.0, dict(epochs=60)),

@@ -4,6 +4,7 @@ with probability q independently of the others (per-example frequencies and
 a chi-square dispersion test), and its batches as `fit` receives them."""
 
 import numpy as np
+import pytest
 from scipy import stats
 
 from custom_fit import sampling
@@ -41,6 +42,7 @@ def pooled_chi_square(observed, expected, minimum=5.0):
     return stats.chisquare(pooled_observed, pooled_expected).pvalue
 
 
+@pytest.mark.backend_independent  # the sampler's draws are NumPy's
 class PoissonSamplerTest(testing.TestCase):
     def sampler(self, num_examples=200, batch_size=20, **kwargs):
         x = np.arange(num_examples, dtype="float32").reshape(-1, 1)

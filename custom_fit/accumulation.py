@@ -24,6 +24,10 @@ from custom_fit._types import Gradients
 from custom_fit._types import Tensor
 from custom_fit._types import Variable
 
+__all__ = [
+    "GradientAccumulator",
+]
+
 
 class GradientAccumulator:
     """Averages true gradients over `steps` consecutive calls.

@@ -22,6 +22,13 @@ from custom_fit import _validation
 from custom_fit import privacy
 from custom_fit._types import Logs
 
+__all__ = [
+    "GradientAlarm",
+    "GradientNormHistory",
+    "GradientTensorBoard",
+    "PrivacyBudget",
+]
+
 
 def _check_inspected(callback: keras.callbacks.Callback, model: Any) -> None:
     """Raises if `model` does not record gradient norms."""

@@ -29,6 +29,17 @@ from custom_fit._types import Gradients
 from custom_fit._types import Tensor
 from custom_fit._types import Weight
 
+__all__ = [
+    "adaptive_clip",
+    "all_finite",
+    "clip_by_global_norm",
+    "clip_by_group_norm",
+    "clip_by_norm",
+    "clip_by_value",
+    "global_norm",
+]
+
+
 # Smallest gradient norm divided by in adaptive clipping, as in the NFNet
 # reference implementation (Brock et al., 2021).
 _ADAPTIVE_GRADIENT_NORM_FLOOR = 1e-6

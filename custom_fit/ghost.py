@@ -50,6 +50,17 @@ from keras import ops
 
 from custom_fit._types import Tensor
 
+__all__ = [
+    "PerExample",
+    "Product",
+    "Rows",
+    "conv_patches",
+    "lora_products",
+    "squared_norms",
+    "weighted_sum",
+]
+
+
 # Einsum letters: the example axis, the second position axis of a Gram
 # form, and the free letters that specs are written with.
 _EXAMPLE = "Z"

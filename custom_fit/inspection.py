@@ -22,6 +22,17 @@ from custom_fit._types import Gradient
 from custom_fit._types import Tensor
 from custom_fit._types import Weight
 
+__all__ = [
+    "STATISTICS",
+    "group_max_abs",
+    "group_nonfinite_count",
+    "group_norms",
+    "group_squared_norms",
+    "group_zero_fraction",
+    "update_ratios",
+]
+
+
 # Statistics that `GradientInspectionMixin(gradient_statistics=...)` offers
 # beside the per-layer norm.
 STATISTICS = ("max_abs", "zero_fraction", "nonfinite_count", "update_ratio")

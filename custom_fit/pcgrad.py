@@ -24,6 +24,10 @@ from custom_fit._types import Gradient
 from custom_fit._types import Gradients
 from custom_fit._types import Tensor
 
+__all__ = [
+    "project_conflicting",
+]
+
 
 def project_conflicting(
     task_gradients: Sequence[Sequence[Gradient]], order: Any

@@ -43,6 +43,12 @@ from custom_fit._types import Optimizer
 from custom_fit._types import Tensor
 from custom_fit._types import Variable
 
+__all__ = [
+    "Clipped",
+    "ghost_clipped_sums",
+    "vectorized_clipped_sums",
+]
+
 
 @dataclasses.dataclass(frozen=True)
 class Clipped:

@@ -47,6 +47,17 @@ from custom_fit._types import Gradients
 from custom_fit._types import Tensor
 from custom_fit._types import Variable
 
+__all__ = [
+    "all_reduce_sum",
+    "apply_true_gradients",
+    "compute_true_gradients",
+    "loss_scale",
+    "optimizer_clipping",
+    "replica_count",
+    "true_gradients",
+]
+
+
 _OPTIMIZER_CLIPPING_ARGUMENTS = ("clipnorm", "clipvalue", "global_clipnorm")
 
 

@@ -33,6 +33,18 @@ from custom_fit import _validation
 from custom_fit import backend
 from custom_fit._types import Tensor
 
+__all__ = [
+    "ACCOUNTANTS",
+    "SAMPLINGS",
+    "CalibratedNoise",
+    "add_noise",
+    "calibrate_noise",
+    "clip_and_sum",
+    "clip_factors",
+    "epsilon",
+]
+
+
 ACCOUNTANTS = ("rdp", "pld")
 SAMPLINGS = ("poisson", "shuffle")
 # The range `calibrate_noise` searches. Below MIN_NOISE no run is private

@@ -21,6 +21,18 @@ from custom_fit._types import Tensor
 from custom_fit._types import Variable
 from custom_fit._types import Weight
 
+__all__ = [
+    "INPUT_GRADIENT_FORMS",
+    "NOT_WEIGHT_MATRICES",
+    "input_gradient_penalty",
+    "is_weight_matrix",
+    "l1_penalty",
+    "l2_penalty",
+    "select_variables",
+    "variable_name",
+]
+
+
 # Variables of two or more dimensions that are no weight matrix, by name:
 # biases (`EinsumDense` and `MultiHeadAttention` keep one per head and
 # unit), normalization scales and offsets over several axes

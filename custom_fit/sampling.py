@@ -37,6 +37,12 @@ import numpy as np
 from custom_fit import _validation
 from custom_fit import backend
 
+__all__ = [
+    "PAD_AUTO",
+    "PoissonSampler",
+]
+
+
 PAD_AUTO = "auto"
 # A secret seed's bits, and the chunks in which processes exchange it
 # (`gather_from_processes` carries integers below 2**31).

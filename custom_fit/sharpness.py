@@ -22,6 +22,10 @@ from custom_fit._types import Gradient
 from custom_fit._types import Tensor
 from custom_fit._types import Weight
 
+__all__ = [
+    "perturbed_weights",
+]
+
 
 def perturbed_weights(
     variables: Sequence[Weight],

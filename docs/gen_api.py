@@ -2,8 +2,9 @@
 
 Run by mkdocs-gen-files at build time. The public symbols are those of
 `custom_fit.__all__`: each class is a page; each module is a page listing
-its public names, with a page for each of them. Found by griffe's static
-analysis of the sources: nothing is imported.
+the names of its own `__all__` (which every public module has), with a
+page for each of them, and nothing else. Found by griffe's static analysis
+of the sources: nothing is imported.
 """
 
 import griffe
@@ -14,17 +15,13 @@ nav = mkdocs_gen_files.Nav()
 
 
 def public_names(module):
-    """The names a module exports: `__all__`, else its public members."""
-    exported = module.exports
-    if exported:
-        return [str(name) for name in exported]
-    return [
-        name
-        for name, member in module.members.items()
-        if not name.startswith("_")
-        and not member.is_alias
-        and (member.is_class or member.is_function)
-    ]
+    """The names a public module exports: its `__all__`."""
+    if module.exports is None:
+        raise SystemExit(
+            f"{module.path} has no __all__: a public module lists its public "
+            "names, and only those get pages."
+        )
+    return [str(name) for name in module.exports]
 
 
 def write(path, identifier, children=(), signature=True):

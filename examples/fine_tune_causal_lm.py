@@ -51,7 +51,15 @@ if "--model_parallel" in sys.argv[1:]:
     ).strip()
 
 import keras  # noqa: E402
-import keras_hub  # noqa: E402
+
+try:
+    import keras_hub  # noqa: E402
+except ImportError as error:
+    raise SystemExit(
+        "This example needs keras-hub: python -m pip install -e "
+        '".[hub]" (it pulls TensorFlow, through tensorflow-text). '
+        f"Received: {error}"
+    ) from error
 import numpy as np  # noqa: E402
 from absl import app  # noqa: E402
 from absl import flags  # noqa: E402

@@ -432,10 +432,13 @@ class KerasModel(_ModelBase):
             The model.
         """
         config = dict(config)
-        options = {
-            name: _options.from_config(value)
-            for name, value in _options.pop_options(cls, config).items()
-        }
+        options = _options.without_former_defaults(
+            cls,
+            {
+                name: _options.from_config(value)
+                for name, value in _options.pop_options(cls, config).items()
+            },
+        )
         parent_from_config = super().from_config
         with _options.pending(cls, options) as held:
             if custom_objects is None:

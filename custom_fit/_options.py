@@ -85,6 +85,12 @@ class Option:
         saved: Bool. Whether `get_config()` (and so `.keras` files and
             clones) keeps the value. `False` for a secret, such as a noise
             seed: a rebuilt model then takes the default.
+        former_defaults: Tuple of values that were the default in an
+            earlier version, which `get_config()` then saved with every
+            model. Loading such a value where it has no effect (none of
+            `requires` set) takes the present default instead of refusing
+            the file; where it has an effect it is kept, so the model
+            trains as when it was saved.
 
     Example:
 
@@ -108,9 +114,11 @@ class Option:
         kind: str = "",
         or_capability: str = "",
         saved: bool = True,
+        former_defaults: Sequence[Any] = (),
     ) -> None:
         self.default = default
         self.saved = saved
+        self.former_defaults = tuple(former_defaults)
         self.validate = validate or _any_value
         self.requires = _names("requires", requires)
         self.excludes = _names("excludes", excludes)
@@ -593,6 +601,39 @@ def store_options(
             _validation.representable(name, stored[name], dtype)
     for name, option in options.items():
         _check_requirements(instance, name, option)
+
+
+def without_former_defaults(
+    cls: type, options: dict[str, Any]
+) -> dict[str, Any]:
+    """Returns saved `options` less former defaults that have no effect.
+
+    See `Option(former_defaults=...)`: a model saved by an earlier version
+    holds its options' defaults of then; one that would now be refused as
+    having no effect is left out (the present default is taken).
+    """
+    declared = declared_options(cls)
+
+    def is_set(other: str) -> bool:
+        if other not in declared:
+            return False
+        value = options.get(other, declared[other].default)
+        return _is_set(value) and not _same(value, declared[other].default)
+
+    kept = dict(options)
+    for name, value in options.items():
+        option = declared.get(name)
+        if option is None or not any(
+            _same(value, old) for old in option.former_defaults
+        ):
+            continue
+        capability = option.or_capability
+        if any(is_set(other) for other in option.requires) or (
+            capability and getattr(cls, capability, False)
+        ):
+            continue
+        del kept[name]
+    return kept
 
 
 def _check_requirements(instance: object, name: str, option: Option) -> None:

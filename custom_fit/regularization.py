@@ -24,6 +24,7 @@ from custom_fit._types import Weight
 __all__ = [
     "INPUT_GRADIENT_FORMS",
     "NOT_WEIGHT_MATRICES",
+    "NOT_WEIGHT_MATRIX_ENDINGS",
     "input_gradient_penalty",
     "is_weight_matrix",
     "l1_penalty",
@@ -39,6 +40,10 @@ __all__ = [
 # (`LayerNormalization(axis=[1, 2])`'s `gamma` and `beta`, an RMS norm's
 # `scale`), and `PReLU`'s slopes per position and channel (`alpha`).
 NOT_WEIGHT_MATRICES = ("bias", "gamma", "beta", "scale", "alpha")
+# Name endings of the same: biases by role (keras-hub's XLNet
+# `content_attention_bias`) and learned tokens (`cls_token`,
+# `mask_token`), which no Keras regularizer slot covers.
+NOT_WEIGHT_MATRIX_ENDINGS = ("_bias", "_token")
 INPUT_GRADIENT_FORMS = ("squared_norm", "wgan_gp")
 
 # Added under the square root of the WGAN-GP norm: the gradient of the norm
@@ -77,13 +82,15 @@ def is_weight_matrix(variable: Variable) -> bool:
     `SimpleRNN` and `ConvLSTM`, the depthwise and pointwise kernels of
     separable convolutions, embeddings, LoRA factors, and a custom layer's
     matrices whatever their names. Not: one-dimensional variables
-    (biases, normalization scales and offsets), and variables named
-    `bias`, `gamma`, `beta`, `scale` or `alpha` (`NOT_WEIGHT_MATRICES`:
-    biases per head and unit, scales and offsets over several axes,
-    `PReLU`'s slopes). These are exactly the weights that Keras' built-in
-    layers regularize with `kernel_regularizer`, `recurrent_regularizer`,
-    `embeddings_regularizer`, `depthwise_regularizer` and
-    `pointwise_regularizer`.
+    (biases, normalization scales and offsets), variables named `bias`,
+    `gamma`, `beta`, `scale` or `alpha` (`NOT_WEIGHT_MATRICES`: biases per
+    head and unit, scales and offsets over several axes, `PReLU`'s
+    slopes), and names ending in `_bias` or `_token`
+    (`NOT_WEIGHT_MATRIX_ENDINGS`: XLNet's attention biases, a vision
+    transformer's `cls_token`). Of Keras' built-in layers, these are
+    exactly the weights regularized by `kernel_regularizer`,
+    `recurrent_regularizer`, `embeddings_regularizer`,
+    `depthwise_regularizer` and `pointwise_regularizer`.
 
     Args:
         variable: A Keras variable.
@@ -100,9 +107,11 @@ def is_weight_matrix(variable: Variable) -> bool:
     ['kernel', 'recurrent_kernel']
     ```
     """
+    name = variable_name(variable)
     return (
         len(variable.shape) >= 2
-        and variable_name(variable) not in NOT_WEIGHT_MATRICES
+        and name not in NOT_WEIGHT_MATRICES
+        and not name.endswith(NOT_WEIGHT_MATRIX_ENDINGS)
     )
 
 

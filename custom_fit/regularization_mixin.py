@@ -120,6 +120,19 @@ class RegularizationMixin(TrainStepMixin):
         None,
         _validation.names_or_none,
         requires=("l1", "l2"),
+        # The list of names that was the default before the weight-matrix
+        # rule (a model saved then keeps it where l1 or l2 is set).
+        former_defaults=(
+            (
+                "kernel",
+                "embeddings",
+                "depthwise_kernel",
+                "lora_kernel_a",
+                "lora_kernel_b",
+                "lora_embeddings_a",
+                "lora_embeddings_b",
+            ),
+        ),
     )
     input_gradient_penalty = _options.Option(
         None,

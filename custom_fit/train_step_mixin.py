@@ -253,6 +253,7 @@ class TrainStepMixin(
         _validation.positive_int_or_none,
         requires=("layer_clipnorm", "clip_layers", "no_clip_layers"),
         or_capability="groups_by_layer",
+        former_defaults=(1,),  # until layer_depth=None split nested models
     )
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -644,7 +645,9 @@ class TrainStepMixin(
                 has its own `gradient_accumulation_steps`, `penalty_inputs` is
                 missing or has no use, `transform_gradients` returns a
                 list that does not match the variables, or the loss
-                function's result does not match `has_aux`.
+                function's result does not match `has_aux` (found once
+                the function ran: layer state its forward pass updated,
+                such as batch statistics, stays updated).
         """
         if not isinstance(has_aux, bool):
             raise ValueError(

@@ -1100,6 +1100,32 @@ class WeightMatrixRuleTest(testing.TestCase):
         logs = ours.evaluate(x, np.zeros(4), verbose=0, return_dict=True)
         self.assertAllClose(logs["l2_penalty"], expected, rtol=1e-5)
 
+    def test_a_custom_layers_matrices_are_in_whatever_their_names(self):
+        """A custom layer's matrix named `w` is penalized; its biases by
+        role (`content_attention_bias`, as keras-hub's XLNet names them),
+        learned tokens (`cls_token`) and scales are not, whatever their
+        number of dimensions."""
+
+        class Custom(keras.layers.Layer):
+            def build(self, shape):
+                for name, weight_shape in (
+                    ("w", (4, 3)),
+                    ("content_attention_bias", (2, 3)),
+                    ("cls_token", (1, 1, 3)),
+                    ("scale", (2, 3)),
+                ):
+                    self.add_weight(shape=weight_shape, name=name)
+
+            def call(self, x):
+                return x
+
+        layer = Custom()
+        layer.build((None, 4))
+        selected = regularization.select_variables(layer.trainable_weights)
+        self.assertEqual(
+            [regularization.variable_name(v) for v in selected], ["w"]
+        )
+
     def test_a_model_without_weight_matrices_is_refused(self):
         """l2 on a model with no weight matrix (a normalization alone)
         names the variables and the option that selects by name."""

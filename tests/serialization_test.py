@@ -302,3 +302,62 @@ class CrossBackendTest(testing.TestCase):
             saved = np.load(os.path.join(directory, kind + ".npz"))
             weights = [saved[f"arr_{i}"] for i in range(len(saved.files))]
             self.assert_loaded_trains_as_rebuilt(kind, loaded, weights, x, y)
+
+
+class RegularizedInspected(
+    custom_fit.RegularizationMixin,
+    custom_fit.GradientInspectionMixin,
+    keras.Model,
+):
+    pass
+
+
+# What `get_config()` wrote for these options before their defaults
+# changed (layer_depth=1; a list of names before the weight-matrix rule).
+_FORMER = {
+    "layer_depth": 1,
+    "penalized_variable_names": [
+        "kernel",
+        "embeddings",
+        "depthwise_kernel",
+        "lora_kernel_a",
+        "lora_kernel_b",
+        "lora_embeddings_a",
+        "lora_embeddings_b",
+    ],
+}
+
+
+def _mlp_config(model_class, **options):
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Dense(8, name="hidden")(inputs)
+    model = model_class(inputs, keras.layers.Dense(3)(hidden), **options)
+    config = model.get_config()
+    config.update({k: v for k, v in _FORMER.items() if k in config})
+    return config
+
+
+class FormerDefaultsTest(testing.TestCase):
+    def test_a_config_with_former_defaults_that_do_nothing_loads(self):
+        """A model saved with the former defaults of options that do nothing
+        in it (no layer clipping for `layer_depth`, no l1 or l2 for
+        `penalized_variable_names`) loads with the present defaults,
+        instead of being refused for options without effect."""
+        config = _mlp_config(FunctionalNet, global_clipnorm=1.0)
+        model = FunctionalNet.from_config(config)
+        self.assertIsNone(model.layer_depth)
+        self.assertEqual(model.global_clipnorm, 1.0)
+        config = _mlp_config(RegularizedInspected)
+        model = RegularizedInspected.from_config(config)
+        self.assertIsNone(model.penalized_variable_names)
+
+    def test_former_defaults_that_act_are_kept(self):
+        """Where they act (inspection groups by layer, l2 is set), the
+        former defaults are kept: the model trains as when it was saved."""
+        config = _mlp_config(RegularizedInspected, l2=0.01)
+        model = RegularizedInspected.from_config(config)
+        self.assertEqual(model.layer_depth, 1)
+        self.assertEqual(
+            tuple(model.penalized_variable_names),
+            tuple(_FORMER["penalized_variable_names"]),
+        )

@@ -675,16 +675,23 @@ class _StepFunction(_stateless.StepFunction):
 
 @contextlib.contextmanager
 def _escaped_tracers_named() -> Iterator[None]:
-    """Names the fix of a value that escaped a differentiated function."""
+    """Names the fix of a value that escaped a differentiated function.
+
+    Only for a tracer of differentiation (JAX names its type): another
+    escaped tracer (of a `jax.jit` or `lax.scan` of the user's) keeps
+    JAX's message alone.
+    """
     try:
         yield
     except jax.errors.UnexpectedTracerError as error:
+        if not any(k in str(error) for k in ("JVPTracer", "LinearizeTracer")):
+            raise
         raise jax.errors.UnexpectedTracerError(
             "The step used a value computed inside a function that JAX "
             "differentiates (a loss function given to `minimize`) after "
-            "that function returned, through a variable of an enclosing "
-            "scope. Return it with the loss instead: the loss function "
-            "returns `(loss, aux)` and `applied, aux = "
+            "that function returned. If it left through a variable of an "
+            "enclosing scope, return it with the loss instead: the loss "
+            "function returns `(loss, aux)` and `applied, aux = "
             "model.minimize(loss_function, has_aux=True)`. JAX's message: "
             f"{error}"
         ) from error

@@ -19,6 +19,8 @@ import tempfile
 
 BACKENDS = {"tensorflow", "jax", "jaxlib", "torch"}
 TORCH_PIN = "torch==2.13.0"
+# Resolutions run at once (each is a pip process; CI has 2 cores).
+AT_ONCE = 3
 
 # extra -> (packages it must bring, packages it must not bring).
 EXPECTED = {
@@ -69,35 +71,41 @@ def _name(item: dict) -> str:
     return item["metadata"]["name"].lower().replace("_", "-")
 
 
-def main() -> int:
-    """Resolves every extra at once; prints and returns the verdict."""
+def _verdict(extra: str, process: subprocess.Popen, report: str) -> list:
+    """The problems of one finished resolution."""
+    try:
+        _, errors = process.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.communicate()
+        return [f"[{extra}]: pip took over 600 s"]
+    if process.returncode != 0:
+        return [f"[{extra}]: pip failed: {errors[-2000:]}"]
+    with open(report, encoding="utf-8") as handle:
+        names = {_name(item) for item in json.load(handle)["install"]}
+    wanted, unwanted = EXPECTED[extra]
     problems = []
+    if wanted - names:
+        problems.append(f"[{extra}] does not bring {sorted(wanted - names)}")
+    if unwanted & names:
+        problems.append(f"[{extra}] brings {sorted(unwanted & names)}")
+    print(f"[{extra}]: {len(names)} packages, checked")
+    return problems
+
+
+def main() -> int:
+    """Resolves the extras, a few at a time; prints and returns the verdict."""
+    problems = []
+    extras = list(EXPECTED)
     with tempfile.TemporaryDirectory() as scratch:
-        running = {}
-        for extra in EXPECTED:
-            report = os.path.join(scratch, f"{extra}.json")
-            running[extra] = (_resolve(extra, report), report)
-        for extra, (process, report) in running.items():
-            try:
-                _, errors = process.communicate(timeout=600)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.communicate()
-                problems.append(f"[{extra}]: pip took over 600 s")
-                continue
-            if process.returncode != 0:
-                problems.append(f"[{extra}]: pip failed: {errors[-2000:]}")
-                continue
-            with open(report, encoding="utf-8") as handle:
-                names = {_name(item) for item in json.load(handle)["install"]}
-            wanted, unwanted = EXPECTED[extra]
-            missing = sorted(wanted - names)
-            extra_packages = sorted(unwanted & names)
-            if missing:
-                problems.append(f"[{extra}] does not bring {missing}")
-            if extra_packages:
-                problems.append(f"[{extra}] brings {extra_packages}")
-            print(f"[{extra}]: {len(names)} packages, checked")
+        while extras:
+            batch, extras = extras[:AT_ONCE], extras[AT_ONCE:]
+            running = []
+            for extra in batch:
+                report = os.path.join(scratch, f"{extra}.json")
+                running.append((extra, _resolve(extra, report), report))
+            for extra, process, report in running:
+                problems += _verdict(extra, process, report)
     for problem in problems:
         print(f"check_extras: {problem}", file=sys.stderr)
     return 1 if problems else 0

@@ -639,9 +639,9 @@ class _StepFunction(_stateless.StepFunction):
     def _abstract(self, function: Callable[..., Any], *args: Any) -> Any:
         return jax.eval_shape(function, *args)
 
-    def _run(self, data: Any) -> Any:
+    def __call__(self, state: tuple, iterator: Any) -> tuple[Any, tuple]:
         with _escaped_tracers_named():
-            return super()._run(data)
+            return super().__call__(state, iterator)
 
     def _compile(self, state: tuple, own: list[Any]) -> Any:
         """Returns the step `jax.jit`-compiled.
@@ -653,19 +653,12 @@ class _StepFunction(_stateless.StepFunction):
         """
         self.shardings = _state_shardings(self.groups(), state, own)
         if self.shardings is None:
-            step = jax.jit(self._stateless, donate_argnums=(0, 1))
-        else:
-            step = jax.jit(
-                self._stateless,
-                donate_argnums=(0, 1),
-                out_shardings=(None, *self.shardings, None),
-            )
-
-        def named(*args: Any) -> Any:
-            with _escaped_tracers_named():
-                return step(*args)
-
-        return named
+            return jax.jit(self._stateless, donate_argnums=(0, 1))
+        return jax.jit(
+            self._stateless,
+            donate_argnums=(0, 1),
+            out_shardings=(None, *self.shardings, None),
+        )
 
     def _placed(self, state: tuple, own: list[Any]) -> tuple[tuple, list]:
         if self.shardings is None:

@@ -613,13 +613,6 @@ def without_former_defaults(
     having no effect is left out (the present default is taken).
     """
     declared = declared_options(cls)
-
-    def is_set(other: str) -> bool:
-        if other not in declared:
-            return False
-        value = options.get(other, declared[other].default)
-        return _is_set(value) and not _same(value, declared[other].default)
-
     kept = dict(options)
     for name, value in options.items():
         option = declared.get(name)
@@ -627,13 +620,33 @@ def without_former_defaults(
             _same(value, old) for old in option.former_defaults
         ):
             continue
-        capability = option.or_capability
-        if any(is_set(other) for other in option.requires) or (
-            capability and getattr(cls, capability, False)
+        if not _requirements_met(
+            cls,
+            option,
+            lambda other: options.get(other, declared[other].default),
         ):
-            continue
-        del kept[name]
+            del kept[name]
     return kept
+
+
+def _requirements_met(
+    cls: type, option: Option, value_of: Callable[[str], Any]
+) -> bool:
+    """Whether an option that `option` requires is set, or its capability.
+
+    `value_of(name)` reads another option's value (of a model, or of a
+    saved config); `cls` is the model's class.
+    """
+    declared = declared_options(cls)
+    if any(
+        other in declared
+        and _is_set(value_of(other))
+        and not _same(value_of(other), declared[other].default)
+        for other in option.requires
+    ):
+        return True
+    capability = option.or_capability
+    return bool(capability and getattr(cls, capability, False))
 
 
 def _check_requirements(instance: object, name: str, option: Option) -> None:
@@ -656,15 +669,9 @@ def _check_requirements(instance: object, name: str, option: Option) -> None:
             )
     if not option.requires:
         return
-    if any(
-        other in options
-        and _is_set(getattr(instance, other))
-        and not _same(getattr(instance, other), options[other].default)
-        for other in option.requires
+    if _requirements_met(
+        type(instance), option, lambda other: getattr(instance, other)
     ):
-        return
-    capability = option.or_capability
-    if capability and getattr(type(instance), capability, False):
         return
     received = ", ".join(
         f"{other}={getattr(instance, other, None)!r}"

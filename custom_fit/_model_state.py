@@ -66,6 +66,9 @@ class ModelState:
         # the fits before it began.
         self.dp_run: Any = None
         self.dp_passes = 0
+        # The state of the `auditing.CanaryAudit` of the running fit
+        # (`_canaries.Slot`), or `None`.
+        self.dp_audit: Any = None
 
 
 def state_of(model: Any) -> ModelState:

@@ -28,14 +28,29 @@ epsilon = custom_fit.auditing.epsilon_lower_bound(
 ```
 """
 
+import contextlib
+import dataclasses
 import math
+from collections.abc import Iterator
 from typing import Any
 
+import keras
 import numpy as np
 
+from custom_fit import _canaries
+from custom_fit import _model_state
 from custom_fit import _validation
+from custom_fit import backend
+from custom_fit import privacy
+from custom_fit import sampling
 
-__all__ = ["epsilon_lower_bound"]
+__all__ = [
+    "AuditResult",
+    "CanaryAudit",
+    "CanarySampler",
+    "PrivacyAuditError",
+    "epsilon_lower_bound",
+]
 
 # The bound is searched within [0, _MAX_EPSILON] to this tolerance.
 _MAX_EPSILON = 100.0
@@ -253,3 +268,583 @@ def _largest_refuted(
         else:
             high = middle
     return low
+
+
+# Checks pass within this many standard errors of what a correct step gives
+# (a correct run fails one about once in 16,000 audits).
+_CHECK_ERRORS = 4.0
+# Key words of the generators of canaries (their membership, their draws).
+_MEMBERS_KEY = 0x43414E41
+_DRAWS_KEY = 0x52595345
+
+
+class PrivacyAuditError(Exception):
+    """A private run failed an audit check (`CanaryAudit.check`).
+
+    Attributes:
+        result: The `AuditResult` whose checks failed.
+    """
+
+    def __init__(self, message: str, result: "AuditResult") -> None:
+        super().__init__(message)
+        self.result = result
+
+
+@dataclasses.dataclass(frozen=True)
+class AuditResult:
+    """What one audited run showed (`CanaryAudit.result`).
+
+    Noise and contributions are in units of the clip bound
+    (`l2_norm_clip`); each figure comes with its standard error.
+
+    Attributes:
+        epsilon_lower_bound: Float. The one-run lower bound on the run's
+            epsilon at `delta` (`epsilon_lower_bound` of the canaries'
+            scores), holding with probability `confidence`.
+        epsilon_claimed: Float. The accountant's epsilon at `delta` for the
+            audited updates (`custom_fit.privacy.epsilon`, Poisson
+            sampling).
+        delta: Float. The delta of both.
+        confidence: Float. The confidence of the lower bound.
+        noise_stddev: Float. The noise's measured standard deviation per
+            coordinate, on the canaries' coordinates in updates they took
+            no part in.
+        noise_stddev_claimed: Float. The noise multiplier: the standard
+            deviation a correct step adds.
+        noise_ratio: Float. `noise_stddev / noise_stddev_claimed` (1 for a
+            correct step).
+        noise_ratio_error: Float. Its standard error.
+        sensitivity: Float. A canary's measured contribution to an update
+            it takes part in (1 for a correct step: a gradient of norm
+            10 clipped to 1, once per update).
+        sensitivity_error: Float. Its standard error.
+        autocorrelation: Float. The correlation of the noise of
+            consecutive updates on a coordinate (0 for a correct step).
+        autocorrelation_error: Float. Its standard error.
+        participation_rate: Float. The share of updates an included canary
+            took part in.
+        sampling_rate: Float. The rate the sampler claims (that share, for
+            a correct sampler).
+        participation_rate_error: Float. The standard error of the
+            measured share.
+        out_canaries_seen: Integer. Updates in which a canary that was
+            left out took part (0 for a correct sampler).
+        updates: Integer. The audited updates.
+        canaries_in: Integer. The canaries included in the data.
+        canaries_out: Integer. The canaries left out.
+        checks: Dict of check name (`"epsilon"`, `"noise"`,
+            `"sensitivity"`, `"independence"`, `"sampling"`) to whether it
+            passed.
+        failures: Dict of the failed checks' names to what they found.
+    """
+
+    epsilon_lower_bound: float
+    epsilon_claimed: float
+    delta: float
+    confidence: float
+    noise_stddev: float
+    noise_stddev_claimed: float
+    noise_ratio: float
+    noise_ratio_error: float
+    sensitivity: float
+    sensitivity_error: float
+    autocorrelation: float
+    autocorrelation_error: float
+    participation_rate: float
+    sampling_rate: float
+    participation_rate_error: float
+    out_canaries_seen: int
+    updates: int
+    canaries_in: int
+    canaries_out: int
+    checks: dict[str, bool]
+    failures: dict[str, str]
+
+    @property
+    def passed(self) -> bool:
+        """Whether every check passed."""
+        return all(self.checks.values())
+
+    def __str__(self) -> str:
+        def verdict(name: str) -> str:
+            return "passed" if self.checks[name] else "FAILED"
+
+        return "\n".join(
+            [
+                f"Canary audit of {self.updates} updates, "
+                f"{self.canaries_in} canaries in and {self.canaries_out} out:",
+                f"  epsilon       lower bound {self.epsilon_lower_bound:.3f} "
+                f"({self.confidence:.0%}) against the accountant's "
+                f"{self.epsilon_claimed:.3f} at delta={self.delta:g}: "
+                + verdict("epsilon"),
+                f"  noise         {self.noise_ratio:.4f} +- "
+                f"{self.noise_ratio_error:.4f} of the claimed standard "
+                "deviation: " + verdict("noise"),
+                f"  sensitivity   {self.sensitivity:.3f} +- "
+                f"{self.sensitivity_error:.3f} clip bounds per "
+                "participation: " + verdict("sensitivity"),
+                f"  independence  autocorrelation {self.autocorrelation:+.4f}"
+                f" +- {self.autocorrelation_error:.4f}: "
+                + verdict("independence"),
+                f"  sampling      participation {self.participation_rate:.4f}"
+                f" +- {self.participation_rate_error:.4f} against the rate "
+                f"{self.sampling_rate:.4f}, {self.out_canaries_seen} "
+                "left-out canaries seen: " + verdict("sampling"),
+            ]
+        )
+
+
+class CanarySampler(sampling.PoissonSampler):
+    """A `PoissonSampler` whose draws carry an audit's canaries.
+
+    Made by `CanaryAudit.wrap`. Each canary is included in the run's data
+    with probability 1/2 (from the sampler's secret seed, or the audit's
+    `seed`); each draw then takes every included canary with the
+    sampler's rate, as it takes an example, and the canaries are dealt to
+    batches (gradient accumulation) and to processes exactly as examples
+    are. A canary's row holds zeros, with sample weight `-(j + 1)` for
+    canary `j`: only the private step of the model whose `fit` runs the
+    audit reads it, so the sampler refuses to serve a batch to anything
+    else.
+    """
+
+    def __init__(self, sampler: sampling.PoissonSampler, audit: Any) -> None:
+        # Not `PoissonSampler.__init__`: the wrapped sampler's state as it is.
+        vars(self).update(vars(sampler))
+        self.audit = audit
+        self.num_canaries = audit.num_canaries
+        self._feeding: Any = None
+
+    def included(self) -> np.ndarray:
+        """Returns which canaries are in the data: a boolean vector.
+
+        Each with probability 1/2, from the audit's `seed` or else the
+        sampler's own (secret) seed: the same in every process once `fit`
+        has handed process 0's seed to the others.
+        """
+        seed = self.audit.seed
+        key = [self._entropy if seed is None else seed, _MEMBERS_KEY]
+        generator = np.random.default_rng(key)
+        return generator.random(self.num_canaries) < 0.5
+
+    def draw(self, epoch: int, number: int) -> np.ndarray:
+        """Returns the examples of one draw, then its canaries.
+
+        Canary `j` is listed as `num_examples + j`; each included canary is
+        in a draw with probability `sampling_rate`, as each example is.
+
+        Args:
+            epoch: Integer >= 0, as in `PoissonSampler.draw`.
+            number: Integer >= 0, as in `PoissonSampler.draw`.
+
+        Returns:
+            A NumPy array of indices.
+        """
+        examples = super().draw(epoch, number)
+        key = [self._entropy, self._stream, epoch, number, _DRAWS_KEY]
+        generator = np.random.default_rng(key)
+        members = np.flatnonzero(self.included())
+        taken = members[generator.random(members.size) < self.sampling_rate]
+        return np.concatenate([examples, self.num_examples + taken])
+
+    def __getitem__(self, index: int) -> tuple[Any, Any, np.ndarray]:
+        if self._feeding is None:
+            raise ValueError(
+                "The batches of an audited sampler carry canary rows (sample "
+                "weight below 0) that only the private step of the audited "
+                "model reads. Received: a request for batch "
+                f"{index} outside such a fit. Pass the sampler to `fit` of a "
+                "DifferentialPrivacyMixin model with its CanaryAudit among "
+                "the callbacks: model.fit(audit.wrap(sampler), "
+                "callbacks=[audit])."
+            )
+        return super().__getitem__(index)
+
+    def _rows(
+        self, chosen: np.ndarray, padding: int
+    ) -> tuple[Any, Any, np.ndarray]:
+        examples = chosen[chosen < self.num_examples]
+        canaries = chosen[chosen >= self.num_examples] - self.num_examples
+        x, y, weights = super()._rows(examples, padding + canaries.size)
+        rows = slice(examples.size, examples.size + canaries.size)
+        weights[rows] = -(canaries.astype(weights.dtype) + 1)
+        return x, y, weights
+
+
+class CanaryAudit(keras.callbacks.Callback):
+    """Audits a private run with canaries in gradient space, in one run.
+
+    DP-SGD bugs (noise too small or missing on a variable, a gradient left
+    unclipped, noise that repeats, an example counted twice in an update,
+    batches not drawn as the accountant assumes) leave training working and
+    the claimed epsilon wrong. This audit measures the mechanism on the
+    user's own run: `num_canaries` canaries, each included in the data with
+    probability 1/2, travel through the data pipeline as examples do
+    (`wrap` the `PoissonSampler`), and each included canary's gradient is a
+    vector of norm 10 times the clip bound on a coordinate of its own (an
+    audit slot that the loss never reads), which the step clips, sums and
+    noises with everything else. Inside the step (compiled, `steps_per_execution
+    > 1`, several processes) the slot's noisy sum of each update is
+    recorded, with no host read.
+
+    After `fit`, `result(delta)` gives:
+
+    - the one-run lower bound on epsilon (`epsilon_lower_bound` of the
+      canaries' summed slot values; Steinke, Nasr and Jagielski 2023)
+      against the accountant's epsilon for the audited updates;
+    - the noise's standard deviation on the canaries' coordinates against
+      the noise multiplier;
+    - the sensitivity: a canary's contribution to an update it takes part
+      in (the clip bound, once, for a correct step);
+    - the noise's correlation between consecutive updates (0);
+    - the share of updates an included canary took part in against the
+      sampler's rate, and whether a left-out canary ever took part.
+
+    `check(delta)` raises `PrivacyAuditError` naming each check that failed.
+    A check fails beyond 4 standard errors of what a correct step gives, and
+    the lower bound fails above the claim. Passing proves no privacy: it
+    finds bugs (the lower bound is a bound, and the measurements cover the
+    audit's slot, noised and clipped as the model's variables are).
+
+    The audited run is the model's private step with one example per
+    microbatch on Poisson batches (`expected_batch_size`); the canaries
+    cost a few rows per batch (`sampling_rate * num_canaries / 2` on
+    average) and about `num_canaries` floats of state. A model without a
+    private step, or without noise, is refused.
+
+    Args:
+        num_canaries: Integer >= 2. The canaries (half included on
+            average). Defaults to 1000.
+        seed: Integer >= 0 or `None`. Seed of which canaries are included,
+            for a reproducible audit; `None` (the default) takes them from
+            the sampler's secret seed. Their draws always follow the
+            sampler's seed.
+        confidence: Float in `[0.5, 1)`. The confidence of the epsilon
+            lower bound. Defaults to 0.95.
+
+    Example:
+
+    ```python
+    sampler = custom_fit.sampling.PoissonSampler(x, y, batch_size=64)
+    model = Net(inputs, outputs, l2_norm_clip=1.0, noise_multiplier=1.1,
+                expected_batch_size=sampler.batch_size)
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    audit = custom_fit.auditing.CanaryAudit()
+    model.fit(audit.wrap(sampler), epochs=3, callbacks=[audit])
+    print(audit.check(delta=1e-5))  # raises PrivacyAuditError on a bug
+    ```
+    """
+
+    def __init__(
+        self,
+        num_canaries: int = 1000,
+        seed: int | None = None,
+        confidence: float = 0.95,
+    ) -> None:
+        super().__init__()
+        self.num_canaries = _validation.positive_int(
+            "num_canaries", num_canaries
+        )
+        if self.num_canaries < 2:
+            raise ValueError(
+                "`num_canaries` must be at least 2: the audit compares "
+                "included canaries with left-out ones. Received: "
+                f"num_canaries={num_canaries}. Pass for example 1000."
+            )
+        self.seed = _validation.seed_or_none("seed", seed)
+        self.confidence = _confidence(confidence)
+        self.sampler: CanarySampler | None = None
+        self._audited: Any = None
+        self._slot: Any = None
+
+    def wrap(self, sampler: sampling.PoissonSampler) -> CanarySampler:
+        """Returns `sampler`'s draws with this audit's canaries added.
+
+        Train on what it returns (not on `sampler`, which it copies).
+
+        Args:
+            sampler: A `custom_fit.sampling.PoissonSampler`.
+
+        Returns:
+            A `CanarySampler`.
+
+        Raises:
+            ValueError: For anything else, or a second sampler.
+        """
+        if not isinstance(sampler, sampling.PoissonSampler) or isinstance(
+            sampler, CanarySampler
+        ):
+            raise ValueError(
+                "`CanaryAudit.wrap` takes a custom_fit.sampling."
+                "PoissonSampler: the canaries are drawn as its examples are. "
+                f"Received: sampler={type(sampler).__name__}. Pass "
+                "PoissonSampler(x, y, batch_size=...)."
+            )
+        if self.sampler is not None:
+            raise ValueError(
+                "A CanaryAudit wraps one sampler: its canaries' membership "
+                "and statistics belong to one run. Received: a second "
+                "sampler. Make a new CanaryAudit for it."
+            )
+        self.sampler = CanarySampler(sampler, self)
+        return self.sampler
+
+    def on_train_begin(self, logs: Any = None) -> None:
+        if self._audited is not self.model:
+            raise ValueError(
+                "CanaryAudit audits the private step of a "
+                "DifferentialPrivacyMixin model, and this model has none "
+                "that takes canaries. Received: a model of class "
+                f"{type(self.model).__name__}. Train a model built with "
+                "custom_fit.DifferentialPrivacyMixin."
+            )
+
+    def result(self, delta: float) -> AuditResult:
+        """Returns what the audited updates show.
+
+        Args:
+            delta: Float in `(0, 1)`: the delta of the claim to test.
+
+        Returns:
+            An `AuditResult`.
+
+        Raises:
+            ValueError: Before any audited update.
+        """
+        delta = _validation.fraction("delta", delta)
+        model, sampler = self._audited, self.sampler
+        if model is None or sampler is None or not 0.0 < delta < 1.0:
+            raise ValueError(
+                "`CanaryAudit.result` reads the audited run: call it after "
+                "`fit` trained on `audit.wrap(sampler)` with the audit among "
+                f"the callbacks, with delta in (0, 1). Received: delta="
+                f"{delta!r}"
+                + ("" if model is not None else ", and no audited fit")
+            )
+        values = backend.current().host_value(model, self._slot.statistics)
+        rows = {
+            name: np.asarray(row, np.float64)
+            for name, row in zip(_canaries.ROWS, values)
+        }
+        clip = float(model.l2_norm_clip)
+        sigma = float(model.noise_multiplier)
+        updates = int(round(rows["participations"][0] + rows["noise_count"][0]))
+        if updates == 0:
+            raise ValueError(
+                "`CanaryAudit.result` found no audited update. Received: an "
+                "audit whose fit made no step. Train first."
+            )
+        included = sampler.included()
+        scores = rows["score"] / clip
+        bound = epsilon_lower_bound(
+            scores[included], scores[~included], delta, self.confidence
+        )
+        claimed = privacy.epsilon(
+            steps=updates,
+            batch_size=round(sampler.sampling_rate * sampler.num_examples),
+            num_examples=sampler.num_examples,
+            noise_multiplier=sigma,
+            delta=delta,
+        )
+        return _judged(
+            rows, included, clip, sigma, sampler.sampling_rate, updates,
+            bound, claimed, delta, self.confidence,
+        )
+
+    def check(self, delta: float) -> AuditResult:
+        """Returns `result(delta)`, or raises if a check failed.
+
+        Args:
+            delta: Float in `(0, 1)`.
+
+        Returns:
+            The `AuditResult`, every check passed.
+
+        Raises:
+            PrivacyAuditError: Naming each failed check and what it found.
+        """
+        found = self.result(delta)
+        if not found.passed:
+            named = "; ".join(
+                f"{name}: {why}" for name, why in found.failures.items()
+            )
+            raise PrivacyAuditError(
+                f"The private run failed the audit's "
+                f"{', '.join(found.failures)} check(s). {named}.",
+                found,
+            )
+        return found
+
+    def _attach(self, model: Any) -> Any:
+        """Returns the audit's state in `model`'s step, made once."""
+        if self._audited is not None and self._audited is not model:
+            raise ValueError(
+                "A CanaryAudit audits one model's run. Received: a second "
+                f"model, {model.name!r}. Make a new CanaryAudit for it."
+            )
+        if self._slot is None:
+            holder = _model_state.state_of(model).holder
+            self._slot = _canaries.Slot(self.num_canaries, holder.track)
+        self._audited = model
+        return self._slot
+
+
+def _judged(
+    rows: dict[str, np.ndarray],
+    included: np.ndarray,
+    clip: float,
+    sigma: float,
+    rate: float,
+    updates: int,
+    bound: float,
+    claimed: float,
+    delta: float,
+    confidence: float,
+) -> AuditResult:
+    """The figures of an audit's statistics, and its checks."""
+    failures: dict[str, str] = {}
+    clean = float(rows["noise_count"].sum())
+    variance = float(rows["noise_squares"].sum()) / max(clean, 1.0)
+    stddev = math.sqrt(variance) / clip
+    ratio = stddev / sigma
+    ratio_error = ratio / math.sqrt(2.0 * max(clean, 1.0))
+    if abs(ratio - 1.0) > _CHECK_ERRORS * ratio_error or clean < 2:
+        failures["noise"] = (
+            f"the noise's standard deviation is {ratio:.4f} +- "
+            f"{ratio_error:.4f} of noise_multiplier * l2_norm_clip, not 1"
+        )
+    taken = float(rows["participations"][included].sum())
+    sensitivity = float(rows["in_sum"][included].sum()) / clip / max(taken, 1)
+    sensitivity_error = stddev / math.sqrt(max(taken, 1.0))
+    if taken == 0 or (
+        abs(sensitivity - 1.0) > _CHECK_ERRORS * sensitivity_error
+    ):
+        failures["sensitivity"] = (
+            "no included canary took part in an update"
+            if taken == 0
+            else f"a canary moved an update by {sensitivity:.3f} +- "
+            f"{sensitivity_error:.3f} clip bounds, not 1 (unclipped, or "
+            "counted more than once)"
+        )
+    pairs = float(rows["lag_pairs"].sum())
+    correlation = float(rows["lag_products"].sum()) / max(
+        pairs * variance, 1e-30
+    )
+    correlation_error = 1.0 / math.sqrt(max(pairs, 1.0))
+    if pairs < 2 or abs(correlation) > _CHECK_ERRORS * correlation_error:
+        failures["independence"] = (
+            f"consecutive updates' noise correlates ({correlation:+.4f} +- "
+            f"{correlation_error:.4f}): it repeats"
+            if pairs >= 2
+            else "fewer than 2 pairs of consecutive updates"
+        )
+    members = int(included.sum())
+    share = taken / max(members * updates, 1)
+    share_error = math.sqrt(rate * (1.0 - rate) / max(members * updates, 1))
+    seen = int(rows["participations"][~included].sum())
+    if seen or abs(share - rate) > _CHECK_ERRORS * max(share_error, 1e-12):
+        failures["sampling"] = (
+            f"left-out canaries took part in {seen} update(s)"
+            if seen
+            else f"included canaries took part in {share:.4f} +- "
+            f"{share_error:.4f} of the updates, at a rate of {rate:.4f}"
+        )
+    if bound > claimed:
+        failures["epsilon"] = (
+            f"the run's epsilon is at least {bound:.3f} "
+            f"({confidence:.0%} confidence), above the accountant's "
+            f"{claimed:.3f}"
+        )
+    names = ("epsilon", "noise", "sensitivity", "independence", "sampling")
+    return AuditResult(
+        epsilon_lower_bound=bound,
+        epsilon_claimed=claimed,
+        delta=delta,
+        confidence=confidence,
+        noise_stddev=stddev,
+        noise_stddev_claimed=sigma,
+        noise_ratio=ratio,
+        noise_ratio_error=ratio_error,
+        sensitivity=sensitivity,
+        sensitivity_error=sensitivity_error,
+        autocorrelation=correlation,
+        autocorrelation_error=correlation_error,
+        participation_rate=share,
+        sampling_rate=rate,
+        participation_rate_error=share_error,
+        out_canaries_seen=seen,
+        updates=updates,
+        canaries_in=members,
+        canaries_out=int(included.size - members),
+        checks={name: name not in failures for name in names},
+        failures=failures,
+    )
+
+
+def audit_of_fit(model: Any, arguments: dict[str, Any]) -> Any:
+    """Returns the `CanaryAudit` of a private model's `fit`, or `None`.
+
+    Checks that the audit and its sampler come together, and that the
+    model's step is one the audit measures.
+
+    Raises:
+        ValueError: Naming what is missing or refused.
+    """
+    callbacks = arguments.get("callbacks") or ()
+    audits = [c for c in callbacks if isinstance(c, CanaryAudit)]
+    x = arguments.get("x")
+    if isinstance(x, CanarySampler) and x.audit not in audits:
+        raise ValueError(
+            "An audited sampler's canaries are read by its CanaryAudit, "
+            "which must be among fit's callbacks. Received: "
+            f"callbacks={[type(c).__name__ for c in callbacks]}. Pass "
+            "callbacks=[audit] with the audit whose `wrap` made the sampler."
+        )
+    if not audits:
+        return None
+    if len(audits) > 1:
+        raise ValueError(
+            "One CanaryAudit per fit: the canaries of one audit travel in "
+            f"the data. Received: {len(audits)} CanaryAudit callbacks. Pass "
+            "one."
+        )
+    audit = audits[0]
+    if not isinstance(x, CanarySampler) or x.audit is not audit:
+        raise ValueError(
+            "A CanaryAudit's canaries travel in the data, drawn as the "
+            "examples are: fit must train on the sampler the audit wrapped. "
+            f"Received: x={type(x).__name__}. Pass "
+            "x=audit.wrap(PoissonSampler(x, y, batch_size=...))."
+        )
+    if not model.noise_multiplier:
+        raise ValueError(
+            "CanaryAudit cannot audit a run without noise: it claims no "
+            "privacy, and there is nothing to measure. Received: "
+            f"noise_multiplier={model.noise_multiplier!r}. Train with noise."
+        )
+    if model.num_microbatches is not None:
+        raise ValueError(
+            "CanaryAudit needs one example per microbatch: each canary is "
+            "a microbatch of its own. Received: num_microbatches="
+            f"{model.num_microbatches!r}. Leave num_microbatches out."
+        )
+    return audit
+
+
+@contextlib.contextmanager
+def feeding(audit: Any, model: Any) -> Iterator[Any]:
+    """While open, the audit's sampler serves `model`'s fit.
+
+    Yields:
+        The audit's state in `model`'s step (`_canaries.Slot`), or `None`
+        without an audit.
+    """
+    if audit is None:
+        yield None
+        return
+    slot = audit._attach(model)
+    audit.sampler._feeding = model
+    try:
+        yield slot
+    finally:
+        audit.sampler._feeding = None

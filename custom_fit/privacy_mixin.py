@@ -10,6 +10,7 @@ import keras
 import numpy as np
 from keras import ops
 
+from custom_fit import _canaries
 from custom_fit import _fit_data
 from custom_fit import _ghost_layers
 from custom_fit import _independence
@@ -18,6 +19,7 @@ from custom_fit import _keras_model
 from custom_fit import _model_state
 from custom_fit import _options
 from custom_fit import _validation
+from custom_fit import auditing
 from custom_fit import backend
 from custom_fit import callbacks as callbacks_module
 from custom_fit import per_example
@@ -636,6 +638,18 @@ class DifferentialPrivacyMixin(TrainStepMixin):
             )
         if warning:
             warnings.warn(warning, UserWarning, stacklevel=2)
+        audit = auditing.audit_of_fit(self, arguments)
+        with auditing.feeding(audit, self) as slot:
+            return self._checked_fit(arguments, run, budgets, slot)
+
+    def _checked_fit(
+        self,
+        arguments: dict[str, Any],
+        run: privacy.TrainingRun,
+        budgets: list[Any],
+        slot: Any,
+    ) -> Any:
+        """`fit`, once `run` is checked; `slot`: an audit's, or `None`."""
         self._check_microbatches_divide(arguments)
         self._check_examples_apart(arguments)
         self._close_open_windows()
@@ -656,9 +670,17 @@ class DifferentialPrivacyMixin(TrainStepMixin):
             arguments["callbacks"] = [*others, *budgets, resumed]
         state.dp_run = run
         started = self.private_steps
+        if slot is not None:
+            # A step records an audit's canaries if traced with it (and
+            # only then: the train function is made again after the fit).
+            self.train_function = None
+        state.dp_audit = slot
         try:
             history = super().fit(**arguments)
         finally:
+            if slot is not None:
+                state.dp_audit = None
+                self.train_function = None
             state.dp_noise_drawn = True
             ran = self.private_steps - started
             state.dp_passes += privacy.passes_begun(run, ran)
@@ -963,11 +985,15 @@ class DifferentialPrivacyMixin(TrainStepMixin):
         state = _model_state.state_of(self)
         steps = self.gradient_accumulation_steps or 1
         sums = [None if g is None else g * steps for g in gradients]
+        slot = self._audit_slot_sums(state, is_update)
         if self.noise_multiplier:
             seeds = state.dp_seeds
             before = backend.current().read(seeds.state)
             clip = ops.cast(self.l2_norm_clip, "float32")
             present = [g for g in sums if g is not None]
+            if slot is not None:
+                # An audit's slot is noised with the rest, in the same call.
+                present.append(slot[0])
             noisy = iter(
                 privacy.add_noise(
                     present,
@@ -976,6 +1002,8 @@ class DifferentialPrivacyMixin(TrainStepMixin):
                 )
             )
             sums = [None if g is None else next(noisy) for g in sums]
+            if slot is not None:
+                self._record_audit(state, next(noisy), slot[1], is_update)
             if is_update is not None:
                 # The generator moves on once per update, not per batch.
                 backend.current().restore_if(
@@ -997,6 +1025,55 @@ class DifferentialPrivacyMixin(TrainStepMixin):
             None if g is None else ops.cast(g / count, v.dtype)
             for g, v in zip(sums, variables)
         ]
+
+    def train_step(self, data: Any) -> Any:
+        """Runs one training step (see `TrainStepMixin.train_step`).
+
+        In a fit audited by `auditing.CanaryAudit`, the batch's canary
+        rows are told apart by their sample weights first: they reach the
+        model's loss with weight 0, and their gradients only the audit's
+        slot (`custom_fit._canaries`).
+        """
+        state = _model_state.state_of(self)
+        if state.dp_audit is not None:
+            x, y, weights = keras.utils.unpack_x_y_sample_weight(data)
+            state.local.audit_rows, weights = _canaries.decode(weights)
+            data = (x, y, weights)
+        return super().train_step(data)
+
+    def _audit_slot_sums(
+        self, state: Any, is_update: Tensor | None
+    ) -> Tensor | None:
+        """The audit's clipped slot sums and canary rows of the update.
+
+        With accumulation, those of the update's batches so far (kept in
+        the audit's state until the update). `None` without an audit.
+        """
+        audit = state.dp_audit
+        if audit is None:
+            return None
+        found = state.local.audit_sums
+        if is_update is not None:
+            found = found + backend.current().read(audit.pending)
+            audit.pending.assign(
+                ops.where(is_update, ops.zeros_like(found), found)
+            )
+        return found
+
+    def _record_audit(
+        self,
+        state: Any,
+        noisy: Tensor,
+        rows: Tensor,
+        is_update: Tensor | None,
+    ) -> None:
+        """Records the update's noisy slot sum in the audit's statistics."""
+        statistics = state.dp_audit.statistics
+        before = backend.current().read(statistics)
+        after = _canaries.recorded(before, noisy, rows)
+        if is_update is not None:
+            after = ops.where(is_update, after, before)
+        statistics.assign(after)
 
     def _clipped_sums(
         self,
@@ -1051,13 +1128,26 @@ class DifferentialPrivacyMixin(TrainStepMixin):
             ]
         )
         self._report("dp_clipped_fraction", clipped / ops.maximum(total, 1.0))
+        state = _model_state.state_of(self)
+        if state.dp_audit is not None:
+            # The canaries' rows, clipped as the examples' are: the global
+            # batch's, summed over replicas as the clipped sums are.
+            sums = _canaries.slot_sums(
+                norms,
+                state.local.audit_rows,
+                clip,
+                state.dp_audit.num_canaries,
+            )
+            state.local.audit_sums = backend.current().all_reduce_sum([sums])[
+                0
+            ]
         # The global batch's count: this replica's, summed over replicas.
         summed_count = backend.current().summed_count
         if microbatches is None:
             count: Any = summed_count(_keras_compat.batch_size(x, "float32"))
         else:
             count = summed_count(float(microbatches))
-        _model_state.state_of(self).local.dp_microbatches = count
+        state.local.dp_microbatches = count
 
     def _clipped_variables(self) -> list[Variable]:
         """The variables a step clips: the trainable ones, not float8."""

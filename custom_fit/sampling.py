@@ -358,7 +358,12 @@ class PoissonSampler(keras.utils.PyDataset):
             chosen = chosen[chosen % processes == process]
         multiple = self.pad_to_multiple_of
         rows = max(multiple, -(-largest // multiple) * multiple)
-        padding = rows - len(chosen)
+        return self._rows(chosen, rows - len(chosen))
+
+    def _rows(
+        self, chosen: np.ndarray, padding: int
+    ) -> tuple[Any, Any, np.ndarray]:
+        """The batch of examples `chosen`, then `padding` rows of zeros."""
 
         def take(array: np.ndarray) -> np.ndarray:
             taken = array[chosen]

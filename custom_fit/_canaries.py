@@ -1,0 +1,166 @@
+"""Gradient-space canaries inside a private step (`auditing.CanaryAudit`).
+
+A canary is an extra row of a batch, marked by its sample weight: `-(j +
+1)` for canary `j` (the model's loss sees weight 0, so the row adds
+nothing to the model's gradient). Its gradient is `BIG * l2_norm_clip`
+times the `j`-th unit vector of the audit's slot, a coordinate the loss
+never reads and no example touches: the canary's norm joins its row's
+before the clip factor is taken, so a correct step adds exactly
+`l2_norm_clip` to the slot for each row of canary `j`. The slot's clipped
+sum is then noised with the model's gradients, in the same call, and the
+noisy sum of each update is recorded here, in state variables (no host
+read): the statistics `CanaryAudit.result` reads.
+
+These are the step's pure functions and the state they update;
+`DifferentialPrivacyMixin` calls them where its step clips and noises.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+from keras import ops
+
+from custom_fit import _state
+from custom_fit import privacy
+from custom_fit._types import Tensor
+from custom_fit._types import Variable
+
+__all__ = [
+    "BIG",
+    "ROWS",
+    "Slot",
+    "decode",
+    "recorded",
+    "slot_sums",
+]
+
+# A canary's gradient norm, in units of the clip bound: well above it.
+BIG = 10.0
+
+# The rows of the statistics, one entry per canary each: the sum of its
+# noisy slot values over the updates (its score); that sum over the
+# updates it took part in, and their count; the sum of the squared values
+# of the updates it took no part in (pure noise), and their count; the
+# products of consecutive such values, and their count; and the last
+# update's value (0 where it took part) and whether it was pure noise.
+ROWS = (
+    "score",
+    "in_sum",
+    "participations",
+    "noise_squares",
+    "noise_count",
+    "lag_products",
+    "lag_pairs",
+    "previous",
+    "previous_clean",
+)
+
+
+class Slot:
+    """The state one audit keeps in one model's step.
+
+    Args:
+        num_canaries: Integer, the canaries (the slot's length).
+        track: Callable receiving each state variable made (the model's
+            `StateHolder.track`), so that a pure step carries it.
+
+    Attributes:
+        num_canaries: Integer.
+        statistics: Float32 state variable of shape `(len(ROWS),
+            num_canaries)`.
+        pending: Float32 state variable of shape `(2, num_canaries)`: with
+            gradient accumulation, the slot's clipped sums and the canaries'
+            rows so far in the update.
+    """
+
+    def __init__(
+        self, num_canaries: int, track: Callable[[Variable], None]
+    ) -> None:
+        self.num_canaries = num_canaries
+        self.statistics = _state.state_variable(
+            (len(ROWS), num_canaries), "float32", "audit_statistics"
+        )
+        self.pending = _state.state_variable(
+            (2, num_canaries), "float32", "audit_pending"
+        )
+        track(self.statistics)
+        track(self.pending)
+
+
+def decode(sample_weight: Any) -> tuple[Tensor, Tensor]:
+    """Splits a batch's sample weights into canary indices and weights.
+
+    Args:
+        sample_weight: Float vector, one weight per row; `-(j + 1)` marks
+            canary `j`.
+
+    Returns:
+        `(indices, weights)`: int32 vector, the canary of each row (-1 for
+        an example or padding), and the weights with canary rows at 0.
+    """
+    weights = ops.convert_to_tensor(sample_weight)
+    canary = ops.less(weights, 0)
+    indices = ops.where(
+        canary, ops.cast(ops.round(-weights), "int32") - 1, -1
+    )
+    return indices, ops.where(canary, ops.zeros_like(weights), weights)
+
+
+def slot_sums(
+    norms: Tensor, indices: Tensor, clip: Tensor, num_canaries: int
+) -> Tensor:
+    """Returns the slot's clipped sum and each canary's rows, stacked.
+
+    Each canary row's gradient is `BIG * clip` on its coordinate; with the
+    norm `norms` of the rest of its row (0 for a correct step: its loss
+    weight is 0) it is clipped as any example is
+    (`privacy.clip_factors`).
+
+    Args:
+        norms: Float32 vector, each row's gradient norm before clipping.
+        indices: Int32 vector, each row's canary (-1: none).
+        clip: Float32 scalar, `l2_norm_clip`.
+        num_canaries: Integer.
+
+    Returns:
+        A float32 `(2, num_canaries)` tensor: the slot's clipped sum, and
+        the number of rows of each canary.
+    """
+    is_canary = ops.greater_equal(indices, 0)
+    big = ops.cast(BIG, "float32") * clip
+    norms = ops.cast(norms, "float32")
+    joint = ops.sqrt(ops.where(is_canary, norms * norms + big * big, 0.0))
+    factors = privacy.clip_factors(joint, clip, is_canary)
+    rows = ops.one_hot(ops.where(is_canary, indices, 0), num_canaries)
+    rows = ops.cast(rows, "float32") * ops.expand_dims(
+        ops.cast(is_canary, "float32"), 1
+    )
+    sums = ops.sum(rows * ops.expand_dims(factors * big, 1), axis=0)
+    return ops.stack([sums, ops.sum(rows, axis=0)])
+
+
+def recorded(statistics: Tensor, noisy: Tensor, rows: Tensor) -> Tensor:
+    """Returns the statistics after one update.
+
+    Args:
+        statistics: Float32 `(len(ROWS), num_canaries)`, before.
+        noisy: Float32 vector, the slot's noisy sum of the update (before
+            any division).
+        rows: Float32 vector, each canary's rows in the update.
+
+    Returns:
+        The statistics after the update.
+    """
+    now = dict(zip(ROWS, ops.unstack(statistics, axis=0)))
+    took_part = ops.cast(ops.greater(rows, 0), "float32")
+    clean = 1.0 - took_part
+    now["score"] = now["score"] + noisy
+    now["in_sum"] = now["in_sum"] + noisy * took_part
+    now["participations"] = now["participations"] + took_part
+    now["noise_squares"] = now["noise_squares"] + noisy * noisy * clean
+    now["noise_count"] = now["noise_count"] + clean
+    now["lag_products"] = now["lag_products"] + noisy * clean * now["previous"]
+    now["lag_pairs"] = now["lag_pairs"] + clean * now["previous_clean"]
+    now["previous"] = noisy * clean
+    now["previous_clean"] = clean
+    return ops.stack([now[name] for name in ROWS])

@@ -1,0 +1,287 @@
+"""`custom_fit.auditing.CanaryAudit`: a private run audited by its canaries.
+
+Oracles: what the DP-SGD mechanism is by definition (the noise's standard
+deviation is `noise_multiplier * l2_norm_clip` on every coordinate and
+independent across updates; a canary of norm 10 C adds exactly C to an
+update it takes part in; an included canary takes part in a draw with the
+sampler's rate), a run with the noise taken out (the slot's values are
+then exact), and the same run without an audit (the model's training is
+unchanged). Faults are put into the step through the public functions it
+calls (`custom_fit.privacy.add_noise`, `custom_fit.privacy.clip_factors`)
+or into the sampler's draws, and each must be flagged by its named check.
+"""
+
+import math
+from unittest import mock
+
+import keras
+import numpy as np
+from absl.testing import parameterized
+
+import custom_fit
+from custom_fit import auditing
+from custom_fit import privacy
+from custom_fit import sampling
+from tests import testing
+
+SAMPLES = 256
+BATCH = 32
+CANARIES = 400
+DELTA = 1e-5
+
+
+class Private(custom_fit.DifferentialPrivacyMixin, keras.Model):
+    pass
+
+
+class Plain(custom_fit.GradientClippingMixin, keras.Model):
+    pass
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(SAMPLES, 6)).astype("float32")
+    y = (x[:, 0] + x[:, 1] > 0).astype("int32")
+    return x, y
+
+
+def _model(cls=Private, layer_norm=False, accumulation=None, **options):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(8, activation="tanh")(inputs)
+    if layer_norm:  # per-example gradients of the whole model
+        hidden = keras.layers.LayerNormalization()(hidden)
+    outputs = keras.layers.Dense(2)(hidden)
+    if cls is Private:
+        options = {
+            "l2_norm_clip": 1.0,
+            "noise_multiplier": 1.0,
+            "noise_seed": 3,
+            "expected_batch_size": BATCH * (accumulation or 1),
+            "gradient_accumulation_steps": accumulation,
+            "clipping_method": "vectorized" if layer_norm else "auto",
+            **options,
+        }
+    return cls(inputs, outputs, **options)
+
+
+def _sampler(accumulation=1):
+    x, y = _data()
+    return sampling.PoissonSampler(
+        x,
+        y,
+        batch_size=BATCH,
+        seed=5,
+        pad_to_multiple_of=64,
+        gradient_accumulation_steps=accumulation,
+    )
+
+
+def _audited_fit(
+    model=None, accumulation=None, steps_per_execution=1, epochs=2, **audit
+):
+    """Fits `model` (a private one by default) on an audited sampler."""
+    model = model or _model(accumulation=accumulation)
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        steps_per_execution=steps_per_execution,
+    )
+    audit = auditing.CanaryAudit(
+        num_canaries=audit.pop("num_canaries", CANARIES), seed=7, **audit
+    )
+    model.fit(
+        audit.wrap(_sampler(accumulation or 1)),
+        epochs=epochs,
+        callbacks=[audit],
+        verbose=0,
+    )
+    return model, audit
+
+
+def _noise_scaled(factor):
+    real = privacy.add_noise
+    return lambda tensors, stddev, seeds: real(tensors, stddev * factor, seeds)
+
+
+def _noise_left_off_the_last(tensors, stddev, seeds, real=privacy.add_noise):
+    noisy = real(tensors, stddev, seeds)
+    return [*noisy[:-1], tensors[-1]]
+
+
+def _noise_repeated(tensors, stddev, seeds, real=privacy.add_noise):
+    # The generator is put back after each draw: every update, the same.
+    before = keras.ops.copy(seeds.state.value)
+    noisy = real(tensors, stddev, seeds)
+    seeds.state.assign(before)
+    return noisy
+
+
+def _unclipped(norms, l2_norm_clip, mask=None, real=privacy.clip_factors):
+    return real(norms, 1e30, mask)
+
+
+def _counted_twice(sampler_parts):
+    # The draw's first batch is dealt into the second batch too: its
+    # examples (and canaries) are in the update twice.
+    def parts(self, epoch, index):
+        first, second = sampler_parts(self, epoch, index)
+        return [first, np.sort(np.concatenate([second, first]))]
+
+    return parts
+
+
+class CanaryAuditTest(testing.TestCase):
+    @parameterized.named_parameters(
+        ("ghost", {}),
+        ("vectorized", {"layer_norm": True}),
+        ("accumulation", {"accumulation": 2}),
+        ("steps_per_execution", {"steps_per_execution": 4}),
+    )
+    def test_a_correct_run_passes_every_check(self, case):
+        """Ghost clipping, per-example gradients of the whole model, 2
+        batches per update and 4 steps per call: the noise's standard
+        deviation is the claimed one, a canary adds one clip bound per
+        update it takes part in, the noise does not repeat, included
+        canaries take part at the sampler's rate and left-out ones never,
+        and the lower bound stays below the accountant's epsilon."""
+        if (
+            case.get("steps_per_execution", 1) > 1
+            and testing.BACKEND == "torch"
+        ):
+            self.skipTest("PyTorch runs one batch per call")
+        model = _model(
+            layer_norm=case.get("layer_norm", False),
+            accumulation=case.get("accumulation"),
+        )
+        _, audit = _audited_fit(
+            model,
+            accumulation=case.get("accumulation"),
+            steps_per_execution=case.get("steps_per_execution", 1),
+        )
+        found = audit.check(DELTA)
+        self.assertTrue(found.passed, str(found))
+        self.assertEqual(found.updates, 16 // (case.get("accumulation") or 1))
+        self.assertEqual(found.canaries_in + found.canaries_out, CANARIES)
+        self.assertEqual(found.out_canaries_seen, 0)
+        self.assertAllClose(found.noise_ratio, 1.0, atol=0.05)
+        self.assertAllClose(found.sensitivity, 1.0, atol=0.25)
+        self.assertLess(found.epsilon_lower_bound, found.epsilon_claimed)
+        self.assertIn("passed", str(found))
+
+    def test_without_noise_each_canary_adds_exactly_the_clip_bound(self):
+        """With the noise taken out (a fault the noise check names), the
+        slot's value in an update is the clip bound times the canary's
+        rows: exactly 1 per participation, and 0 for the left-out."""
+        with mock.patch.object(privacy, "add_noise", _noise_left_off_the_last):
+            _, audit = _audited_fit()
+        found = audit.result(DELTA)
+        self.assertAllClose(found.sensitivity, 1.0, atol=1e-5, rtol=0)
+        self.assertAllClose(found.noise_stddev, 0.0, atol=1e-6)
+        self.assertFalse(found.checks["noise"])
+
+    def test_the_audit_leaves_the_models_training_as_it_was(self):
+        """Noise off: the audited fit ends on the weights of the same fit
+        without the audit (the canaries reach only the slot; the examples'
+        draws are the sampler's own)."""
+        with mock.patch.object(
+            privacy, "add_noise", lambda tensors, stddev, seeds: tensors
+        ):
+            audited, _ = _audited_fit()
+            plain = _model()
+            plain.compile(
+                optimizer=keras.optimizers.SGD(0.1),
+                loss=keras.losses.SparseCategoricalCrossentropy(
+                    from_logits=True
+                ),
+            )
+            plain.fit(_sampler(), epochs=2, verbose=0)
+        for got, want in zip(audited.get_weights(), plain.get_weights()):
+            self.assertAllClose(got, want, atol=1e-6, rtol=0)
+
+    @parameterized.named_parameters(
+        ("noise_quartered", "noise", {"add_noise": _noise_scaled(0.25)}),
+        (
+            "noise_over_sqrt2",
+            "noise",
+            {"add_noise": _noise_scaled(1 / math.sqrt(2))},
+        ),
+        ("noise_missing_on_a_variable", "noise", {
+            "add_noise": _noise_left_off_the_last
+        }),
+        ("noise_repeated", "independence", {"add_noise": _noise_repeated}),
+        ("canary_unclipped", "sensitivity", {"clip_factors": _unclipped}),
+        ("example_counted_twice", "sensitivity", {"counted_twice": True}),
+    )
+    def test_a_fault_is_flagged_by_its_check(self, check, faults):
+        """Each fault put into the mechanism fails its named check, and
+        `check` raises `PrivacyAuditError` naming it."""
+        patches = [
+            mock.patch.object(privacy, name, fault)
+            for name, fault in faults.items()
+            if name != "counted_twice"
+        ]
+        accumulation = None
+        if "counted_twice" in faults:
+            accumulation = 2
+            real = sampling.PoissonSampler._parts
+            patches.append(
+                mock.patch.object(
+                    sampling.PoissonSampler, "_parts", _counted_twice(real)
+                )
+            )
+        for patch in patches:
+            patch.start()
+        try:
+            _, audit = _audited_fit(accumulation=accumulation)
+        finally:
+            for patch in patches:
+                patch.stop()
+        with self.assertRaisesRegex(auditing.PrivacyAuditError, check):
+            audit.check(DELTA)
+        found = audit.result(DELTA)
+        self.assertFalse(found.checks[check], str(found))
+        self.assertIn(check, found.failures)
+
+    def test_what_the_audit_refuses(self):
+        """A model without a private step, an audit without its sampler (or
+        the sampler without its audit), a run without noise, batches
+        served outside a fit, a second sampler or model: each refused,
+        naming the fix, before any step (the weights as they were)."""
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        plain = _model(Plain, global_clipnorm=1.0)
+        plain.compile(optimizer="sgd", loss=loss)
+        before = plain.get_weights()
+        audit = auditing.CanaryAudit(num_canaries=10)
+        with self.assertRaisesRegex(ValueError, "DifferentialPrivacyMixin"):
+            plain.fit(audit.wrap(_sampler()), callbacks=[audit], verbose=0)
+        for got, want in zip(plain.get_weights(), before):
+            np.testing.assert_array_equal(got, want)
+        private = _model()
+        private.compile(optimizer="sgd", loss=loss)
+        audit = auditing.CanaryAudit(num_canaries=10)
+        wrapped = audit.wrap(_sampler())
+        with self.assertRaisesRegex(ValueError, "audit.wrap"):
+            private.fit(_sampler(), callbacks=[audit], verbose=0)
+        with self.assertRaisesRegex(ValueError, "among fit's callbacks"):
+            private.fit(wrapped, verbose=0)
+        with self.assertRaisesRegex(ValueError, "outside such a fit"):
+            wrapped[0]
+        with self.assertRaisesRegex(ValueError, "one sampler"):
+            audit.wrap(_sampler())
+        with self.assertRaisesRegex(ValueError, "PoissonSampler"):
+            auditing.CanaryAudit().wrap(wrapped)
+        with self.assertRaisesRegex(ValueError, "no audited fit"):
+            audit.result(DELTA)
+        silent = _model(noise_multiplier=0.0)
+        silent.compile(optimizer="sgd", loss=loss)
+        with self.assertRaisesRegex(ValueError, "without noise"):
+            silent.fit(wrapped, callbacks=[audit], verbose=0)
+        private.fit(wrapped, callbacks=[audit], verbose=0)
+        other = _model()
+        other.compile(optimizer="sgd", loss=loss)
+        with self.assertRaisesRegex(ValueError, "one model"):
+            other.fit(wrapped, callbacks=[audit], verbose=0)
+        for bad in ({"num_canaries": 1}, {"confidence": 1.5}, {"seed": -1}):
+            with self.assertRaisesRegex(ValueError, next(iter(bad))):
+                auditing.CanaryAudit(**bad)

@@ -58,8 +58,12 @@ EXPECTED = {
     ("docs/guides/your-own-mixin.md", "State"): r"^[0-9.]+\s*$",
     (
         "docs/guides/privacy.md",
-        "Auditing: a lower bound on epsilon",
+        "Auditing any scores: a lower bound on epsilon",
     ): r"epsilon >= 1\.75 \(true epsilon 2\.0\)",
+    ("docs/guides/privacy.md", "Auditing your own run"): (
+        r"(?s)Canary audit of 87 updates, \d+ canaries in.*"
+        r"(: passed\s+.*){5}$"
+    ),
     ("docs/guides/your-own-mixin.md", "Annealed gradient noise"): (
         r"(?s)Received: gradient_noise_stddev=-0\.1.*Did you mean "
         r"`gradient_noise_stddev`.*ExponentialDecay 1.*fixed when the model"

@@ -110,6 +110,21 @@ class JaxMultiProcessTest(testing.TestCase):
                 self.assertAllClose(
                     run[f"weight_{i}"], single[f"weight_{i}"], atol=1e-6
                 )
+        # A CanaryAudit: with given seeds its figures equal one process'
+        # (the canaries dealt as examples are), every check passed; with
+        # secret seeds both processes report the same audit.
+        self.assertEqual(single["audit_figures"][-1], 1.0)
+        for label in ("process_0", "process_1"):
+            self.assertAllClose(
+                saved[label]["audit_figures"], single["audit_figures"],
+                atol=1e-5,
+            )
+            self.assertEqual(saved[label]["audit_secret_figures"][-1], 1.0)
+        self.assertAllClose(
+            saved["process_1"]["audit_secret_figures"],
+            saved["process_0"]["audit_secret_figures"],
+            atol=1e-6,
+        )
         # Gradient-space count: every update holds every example 0 or 1
         # times, over two processes as in one.
         for label, run in saved.items():

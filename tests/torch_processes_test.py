@@ -352,6 +352,26 @@ class TorchProcessesTest(testing.TestCase):
                 self.saved["process_0"][key], single[key], atol=1e-6, rtol=0
             )
 
+    def test_an_audited_run_equals_one_process(self):
+        """A `CanaryAudit` of DP-SGD on Poisson batches (canaries dealt to
+        the processes as examples are): with given seeds every figure of
+        the audit equals one process fed the same draws (the canaries'
+        slot summed over the processes once), every check passes; with
+        secret seeds both processes report the same audit."""
+        single = self.saved["single"]["audit/figures"]
+        self.assertEqual(single[-1], 1.0)  # every check passed
+        self.assertEqual(single[-3], 12)  # updates
+        for label in ("process_0", "process_1"):
+            self.assertAllClose(
+                self.saved[label]["audit/figures"], single, atol=1e-5
+            )
+            self.assertEqual(self.saved[label]["audit_secret/figures"][-1], 1)
+        self.assertAllClose(
+            self.saved["process_1"]["audit_secret/figures"],
+            self.saved["process_0"]["audit_secret/figures"],
+            atol=1e-6,
+        )
+
     def test_secret_seeds_of_noise_and_sampler_are_process_zeros(self):
         """DP-SGD on a `PoissonSampler`, neither the noise nor the sampler
         given a seed: each process draws its own secret seeds, and `fit`

@@ -108,6 +108,33 @@ def train(process, processes, label):
     for i, weight in enumerate(secret.get_weights()):
         saved[f"secret_weight_{i}"] = weight
 
+    def audit_figures(model, data, seed=None):
+        # 3 epochs audited by 200 canaries: the audit's figures, passed.
+        audit = custom_fit.auditing.CanaryAudit(num_canaries=200, seed=seed)
+        model.fit(audit.wrap(data), epochs=3, verbose=0, callbacks=[audit])
+        found = audit.result(1e-3)
+        return np.asarray(
+            [
+                found.epsilon_lower_bound,
+                found.epsilon_claimed,
+                found.noise_ratio,
+                found.sensitivity,
+                found.autocorrelation,
+                found.participation_rate,
+                found.updates,
+                found.canaries_in,
+                found.passed,
+            ],
+            np.float64,
+        )
+
+    # Audited by canaries, with given seeds (equal to one process) and with
+    # secret ones (the canaries' membership from process 0's seed).
+    saved["audit_figures"] = audit_figures(private_model(), sampler(), seed=7)
+    saved["audit_secret_figures"] = audit_figures(
+        private_model(noise_seed=None), sampler(seed=None)
+    )
+
     # Samplers with a seed of their own in each process: refused.
     try:
         private_model().fit(sampler(seed=process), epochs=1, verbose=0)

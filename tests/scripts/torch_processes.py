@@ -480,6 +480,26 @@ def poisson_private(x, y, rank, world):
     )
     for i, weight in enumerate(secret.get_weights()):
         results[f"poisson_secret/weight_{i}"] = weight
+    # Audited by canaries, with given seeds (equal to one process) and with
+    # secret ones (the canaries' membership from process 0's seed).
+    results["audit/figures"] = audit_figures(
+        private_model(),
+        custom_fit.sampling.PoissonSampler(
+            x, y, batch_size=GLOBAL_BATCH, seed=5
+        ),
+        seed=7,
+    )
+    secret = network(
+        Private,
+        rank,
+        l2_norm_clip=2.5,
+        noise_multiplier=1.0,
+        expected_batch_size=GLOBAL_BATCH,
+    )
+    secret.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss)
+    results["audit_secret/figures"] = audit_figures(
+        secret, custom_fit.sampling.PoissonSampler(x, y, GLOBAL_BATCH)
+    )
     refusals = {
         # Each process' own seed, its own data, shuffling asked for.
         "seed": (dict(x=x, y=y, seed=rank), {}),
@@ -513,6 +533,28 @@ def poisson_private(x, y, rank, world):
             refused = True
         results[f"refused/poisson_{name}"] = np.float32(refused)
     return results
+
+
+def audit_figures(model, sampler, seed=None):
+    """Fits `model` for 3 epochs on `sampler` audited by 200 canaries;
+    returns the audit's figures and whether every check passed."""
+    audit = custom_fit.auditing.CanaryAudit(num_canaries=200, seed=seed)
+    model.fit(audit.wrap(sampler), epochs=3, verbose=0, callbacks=[audit])
+    found = audit.result(1e-3)
+    return np.asarray(
+        [
+            found.epsilon_lower_bound,
+            found.epsilon_claimed,
+            found.noise_ratio,
+            found.sensitivity,
+            found.autocorrelation,
+            found.participation_rate,
+            found.updates,
+            found.canaries_in,
+            found.passed,
+        ],
+        np.float64,
+    )
 
 
 def poisson_canary():

@@ -36,8 +36,10 @@ class Net(custom_fit.DifferentialPrivacyMixin, keras.Model):
 
 
 def train(x, y, noise, audit=None):
-    """Trains the guide's run (with `audit`, on its canaries); returns
-    the seconds `fit` took and the final training accuracy."""
+    """Trains the guide's run (with `audit`, on its canaries).
+
+    Returns the seconds `fit` took and the final training accuracy.
+    """
     keras.utils.set_random_seed(_SEED.value)
     # No seed: a secret one, drawn from the system (the draws are the
     # privacy); the noise's seed is secret too.

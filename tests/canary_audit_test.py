@@ -169,16 +169,20 @@ class CanaryAuditTest(testing.TestCase):
         self.assertLess(found.epsilon_lower_bound, found.epsilon_claimed)
         self.assertIn("passed", str(found))
 
-    def test_without_noise_each_canary_adds_exactly_the_clip_bound(self):
-        """With the noise taken out (a fault the noise check names), the
+    def test_noise_missing_on_a_variable_is_flagged_and_shows_the_sums(self):
+        """A fault: the noise left off one variable (the slot's). The noise
+        check fails, and `check` raises naming it; without noise the
         slot's value in an update is the clip bound times the canary's
-        rows: exactly 1 per participation, and 0 for the left-out."""
+        rows: exactly 1 per participation (a canary moves the noise-free
+        sum by the clip bound, once)."""
         with mock.patch.object(privacy, "add_noise", _noise_left_off_the_last):
             _, audit = _audited_fit()
+        with self.assertRaisesRegex(auditing.PrivacyAuditError, "noise"):
+            audit.check(DELTA)
         found = audit.result(DELTA)
+        self.assertEqual(list(found.failures), ["noise"])
         self.assertAllClose(found.sensitivity, 1.0, atol=1e-5, rtol=0)
         self.assertAllClose(found.noise_stddev, 0.0, atol=1e-6)
-        self.assertFalse(found.checks["noise"])
 
     def test_the_audit_leaves_the_models_training_as_it_was(self):
         """Noise off: the audited fit ends on the weights of the same fit
@@ -206,9 +210,6 @@ class CanaryAuditTest(testing.TestCase):
             "noise",
             {"add_noise": _noise_scaled(1 / math.sqrt(2))},
         ),
-        ("noise_missing_on_a_variable", "noise", {
-            "add_noise": _noise_left_off_the_last
-        }),
         ("noise_repeated", "independence", {"add_noise": _noise_repeated}),
         ("canary_unclipped", "sensitivity", {"clip_factors": _unclipped}),
         ("example_counted_twice", "sensitivity", {"counted_twice": True}),

@@ -312,6 +312,26 @@ class TestExamples:
         assert validation_accuracy(output) > 0.5, output
 
     @BACKENDS
+    def test_audit_private_run_passes_every_check(self, backend):
+        """The privacy guide's run audited by 400 canaries for 2 epochs:
+        every check passes, the noise measured within 5% of the claimed,
+        the canaries' contribution within 0.25 clip bound of 1, and the
+        audited run learns as the plain one does (above chance)."""
+        output = output_of(
+            "audit_private_run", backend, "--epochs=2", "--num_canaries=400"
+        )
+        assert "audit: every check passed" in output, output
+        assert output.count(": passed") == 5, output
+        noise = re.search(r"noise\s+([0-9.]+) \+-", output)
+        sensitivity = re.search(r"sensitivity\s+([0-9.]+) \+-", output)
+        assert abs(float(noise.group(1)) - 1.0) < 0.05, output
+        assert abs(float(sensitivity.group(1)) - 1.0) < 0.25, output
+        plain, audited = re.search(
+            r"accuracy without / with: ([0-9.]+) / ([0-9.]+)", output
+        ).groups()
+        assert min(float(plain), float(audited)) > 0.5, output
+
+    @BACKENDS
     def test_private_training_reaches_a_target_epsilon_on_shuffled_batches(
         self, backend
     ):

@@ -34,6 +34,11 @@ import keras
 from keras import ops
 
 _LOCAL = threading.local()
+# Whether Keras' JAX epoch iterator stacks the batches of an execution
+# (`steps_per_execution > 1`) into one item: from Keras 3.16.
+_SUPER_BATCHES = tuple(
+    int(part) for part in keras.version().split(".")[:2]
+) >= (3, 16)
 
 
 class Scope(keras.StatelessScope):
@@ -490,6 +495,32 @@ class StepFunction:
         finally:
             self._held = None
 
+    def batches_of_call(self, iterator: Iterator[Any]) -> Iterator[Any]:
+        """The batches one call runs, from the epoch's iterator.
+
+        Up to Keras 3.15 each item of the iterator is one batch, and a call
+        takes up to `steps_per_execution` of them. From Keras 3.16, with
+        `steps_per_execution > 1`, a call takes one item: the batches of
+        one execution stacked along a new first axis, or, where they could
+        not be stacked (a shorter last batch), a list of them (a `list`
+        subclass; a batch itself is never a list subclass).
+        """
+        steps = self.model.steps_per_execution
+        if steps == 1 or not _SUPER_BATCHES:
+            return iterator
+        item = next(iterator)
+        if isinstance(item, list) and type(item) is not list:
+            return iter(list(item))
+        count = next(v for v in keras.tree.flatten(item) if v is not None)
+        return iter(
+            [
+                keras.tree.map_structure(
+                    lambda v, i=i: None if v is None else v[i], item
+                )
+                for i in range(count.shape[0])
+            ]
+        )
+
     def _put_back(self, state: tuple) -> None:
         """Writes `state` into the variables (those it still holds)."""
         for variables, values in zip(self.groups(), state):
@@ -500,7 +531,7 @@ class StepFunction:
                     pass
 
     def _call(self, state: tuple, iterator: Any) -> tuple[Any, tuple]:
-        iterator = iter(iterator)
+        iterator = self.batches_of_call(iter(iterator))
         data = next(iterator)
         if not self.discovered and not self.eager():
             # Op by op, the first step makes its state itself (`_stateless`):

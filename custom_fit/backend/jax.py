@@ -755,6 +755,15 @@ class TrainerHooks:
         super().jax_state_sync()  # type: ignore[misc]
         after_state_sync(self)
 
+    def state_sync(self) -> None:
+        """`jax_state_sync` under its name from Keras 3.16, which calls it.
+
+        (Keras 3.16's `jax_state_sync` calls `state_sync`: the stash is
+        then written by the first of the two, and forgotten.)
+        """
+        super().state_sync()  # type: ignore[misc]
+        after_state_sync(self)
+
 
 def make_step_function(
     model: Any,

@@ -107,17 +107,23 @@ def decode(sample_weight: Any) -> tuple[Tensor, Tensor]:
 
 
 def slot_sums(
-    norms: Tensor, indices: Tensor, clip: Tensor, num_canaries: int
+    norms: Tensor,
+    mask: Any,
+    indices: Tensor,
+    clip: Tensor,
+    num_canaries: int,
 ) -> Tensor:
     """Returns the slot's clipped sum and each canary's rows, stacked.
 
-    Each canary row's gradient is `BIG * clip` on its coordinate; with the
-    norm `norms` of the rest of its row (0 for a correct step: its loss
-    weight is 0) it is clipped as any example is
+    Each canary row's gradient is `BIG * clip` on its coordinate, plus
+    what the rest of its row contributes to the clipped sum: nothing, for
+    a row that counts for no example (`mask` false: its loss weight is 0),
+    else its gradient of norm `norms`. The row is clipped as any example is
     (`privacy.clip_factors`).
 
     Args:
         norms: Float32 vector, each row's gradient norm before clipping.
+        mask: Boolean vector (the rows that count as examples) or `None`.
         indices: Int32 vector, each row's canary (-1: none).
         clip: Float32 scalar, `l2_norm_clip`.
         num_canaries: Integer.
@@ -129,14 +135,18 @@ def slot_sums(
     is_canary = ops.greater_equal(indices, 0)
     big = ops.cast(BIG, "float32") * clip
     norms = ops.cast(norms, "float32")
+    if mask is not None:
+        norms = ops.where(mask, norms, 0.0)
     joint = ops.sqrt(ops.where(is_canary, norms * norms + big * big, 0.0))
     factors = privacy.clip_factors(joint, clip, is_canary)
-    rows = ops.one_hot(ops.where(is_canary, indices, 0), num_canaries)
-    rows = ops.cast(rows, "float32") * ops.expand_dims(
-        ops.cast(is_canary, "float32"), 1
+    # Rows of no canary go to one more segment, dropped.
+    segments = ops.where(is_canary, indices, num_canaries)
+    found = ops.segment_sum(
+        ops.stack([factors * big, ops.cast(is_canary, "float32")], axis=1),
+        segments,
+        num_segments=num_canaries + 1,
     )
-    sums = ops.sum(rows * ops.expand_dims(factors * big, 1), axis=0)
-    return ops.stack([sums, ops.sum(rows, axis=0)])
+    return ops.transpose(found[:num_canaries])
 
 
 def recorded(statistics: Tensor, noisy: Tensor, rows: Tensor) -> Tensor:

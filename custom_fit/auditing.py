@@ -275,9 +275,8 @@ def _largest_refuted(
 _CHECK_ERRORS = 4.0
 # The slack of a check where the noise leaves no error (float32 sums).
 _FLOAT_SLACK = 1e-3
-# Key words of the generators of canaries (their membership, their draws).
+# Key word of the generator of the canaries' membership.
 _MEMBERS_KEY = 0x43414E41
-_DRAWS_KEY = 0x52595345
 
 
 class PrivacyAuditError(Exception):
@@ -323,6 +322,11 @@ class AuditResult:
         autocorrelation: Float. The correlation of the noise of
             consecutive updates on a coordinate (0 for a correct step).
         autocorrelation_error: Float. Its standard error.
+        summed_noise_ratio: Float. The variance of a left-out canary's
+            score (its noise summed over every update) over the updates
+            times the noise's variance (1 when no update's noise repeats
+            another's, at any distance).
+        summed_noise_ratio_error: Float. Its standard error.
         participation_rate: Float. The share of updates an included canary
             took part in.
         sampling_rate: Float. The rate the sampler claims (that share, for
@@ -352,6 +356,8 @@ class AuditResult:
     sensitivity_error: float
     autocorrelation: float
     autocorrelation_error: float
+    summed_noise_ratio: float
+    summed_noise_ratio_error: float
     participation_rate: float
     sampling_rate: float
     participation_rate_error: float
@@ -386,7 +392,9 @@ class AuditResult:
                 f"{self.sensitivity_error:.3f} clip bounds per "
                 "participation: " + verdict("sensitivity"),
                 f"  independence  autocorrelation {self.autocorrelation:+.4f}"
-                f" +- {self.autocorrelation_error:.4f}: "
+                f" +- {self.autocorrelation_error:.4f}, summed noise "
+                f"{self.summed_noise_ratio:.3f} +- "
+                f"{self.summed_noise_ratio_error:.3f} of independent: "
                 + verdict("independence"),
                 f"  sampling      participation {self.participation_rate:.4f}"
                 f" +- {self.participation_rate_error:.4f} against the rate "
@@ -396,26 +404,45 @@ class AuditResult:
         )
 
 
+class _Wrapping:
+    """What a `CanarySampler` keeps beside its sampler's state."""
+
+    def __init__(self, audit: Any) -> None:
+        self.audit = audit
+        # The model whose audited `fit` the sampler serves, or `None`.
+        self.feeding: Any = None
+
+
 class CanarySampler(sampling.PoissonSampler):
     """A `PoissonSampler` whose draws carry an audit's canaries.
 
-    Made by `CanaryAudit.wrap`. Each canary is included in the run's data
-    with probability 1/2 (from the sampler's secret seed, or the audit's
-    `seed`); each draw then takes every included canary with the
-    sampler's rate, as it takes an example, and the canaries are dealt to
-    batches (gradient accumulation) and to processes exactly as examples
-    are. A canary's row holds zeros, with sample weight `-(j + 1)` for
-    canary `j`: only the private step of the model whose `fit` runs the
-    audit reads it, so the sampler refuses to serve a batch to anything
-    else.
+    Made by `CanaryAudit.wrap`, on the sampler's own state (its seed, its
+    epoch: training on the sampler afterwards goes on from where the
+    audited run ended, never repeating its draws). Each canary is included
+    in the run's data with probability 1/2 (from the sampler's secret
+    seed, or the audit's `seed`); each draw is then made, by the sampler's
+    own code, from the examples and the included canaries together, every
+    one with the sampler's rate, and the canaries are dealt to batches
+    (gradient accumulation) and to processes exactly as examples are. A
+    canary's row holds zeros, with sample weight `-(j + 1)` for canary
+    `j`: only the private training step of the model whose `fit` runs the
+    audit reads it, so the sampler serves batches only to that `fit`.
     """
 
     def __init__(self, sampler: sampling.PoissonSampler, audit: Any) -> None:
-        # Not `PoissonSampler.__init__`: the wrapped sampler's state as it is.
-        self.__dict__.update(vars(sampler))
-        self.audit = audit
-        self.num_canaries = audit.num_canaries
-        self._feeding: Any = None
+        # Not `PoissonSampler.__init__`: the sampler's own state, shared.
+        self.__dict__ = sampler.__dict__
+        self._wrapping = _Wrapping(audit)
+
+    @property
+    def audit(self) -> Any:
+        """The `CanaryAudit` whose canaries the draws carry."""
+        return self._wrapping.audit
+
+    @property
+    def num_canaries(self) -> int:
+        """The audit's number of canaries."""
+        return int(self._wrapping.audit.num_canaries)
 
     def included(self) -> np.ndarray:
         """Returns which canaries are in the data: a boolean vector.
@@ -432,25 +459,28 @@ class CanarySampler(sampling.PoissonSampler):
     def draw(self, epoch: int, number: int) -> np.ndarray:
         """Returns the examples of one draw, then its canaries.
 
-        Canary `j` is listed as `num_examples + j`; each included canary is
-        in a draw with probability `sampling_rate`, as each example is.
+        One Poisson draw over the examples and the included canaries
+        together (the sampler's own draw, over a population that holds the
+        canaries too). Canary `j` is listed as `num_examples + j`.
 
         Args:
             epoch: Integer >= 0, as in `PoissonSampler.draw`.
             number: Integer >= 0, as in `PoissonSampler.draw`.
 
         Returns:
-            A NumPy array of indices.
+            A NumPy array of indices, the examples' in order, then the
+            canaries'.
         """
-        examples = super().draw(epoch, number)
-        key = [self._entropy, self._stream, epoch, number, _DRAWS_KEY]
-        generator = np.random.default_rng(key)
         members = np.flatnonzero(self.included())
-        taken = members[generator.random(members.size) < self.sampling_rate]
-        return np.concatenate([examples, self.num_examples + taken])
+        chosen = self._drawn(epoch, number, self.num_examples + members.size)
+        canaries = chosen >= self.num_examples
+        chosen[canaries] = self.num_examples + members[
+            chosen[canaries] - self.num_examples
+        ]
+        return chosen
 
     def __getitem__(self, index: int) -> tuple[Any, Any, np.ndarray]:
-        if self._feeding is None:
+        if self._wrapping.feeding is None:
             raise ValueError(
                 "The batches of an audited sampler carry canary rows (sample "
                 "weight below 0) that only the private step of the audited "
@@ -476,43 +506,63 @@ class CanarySampler(sampling.PoissonSampler):
 class CanaryAudit(keras.callbacks.Callback):
     """Audits a private run with canaries in gradient space, in one run.
 
-    DP-SGD bugs (noise too small or missing on a variable, a gradient left
-    unclipped, noise that repeats, an example counted twice in an update,
-    batches not drawn as the accountant assumes) leave training working and
-    the claimed epsilon wrong. This audit measures the mechanism on the
-    user's own run: `num_canaries` canaries, each included in the data with
-    probability 1/2, travel through the data pipeline as examples do
-    (`wrap` the `PoissonSampler`), and each included canary's gradient is a
-    vector of norm 10 times the clip bound on a coordinate of its own (an
-    audit slot that the loss never reads), which the step clips, sums and
-    noises with everything else. Inside the step (compiled, `steps_per_execution
-    > 1`, several processes) the slot's noisy sum of each update is
-    recorded, with no host read.
+    DP-SGD bugs (noise too small or missing, a gradient left unclipped,
+    noise that repeats, an example counted twice in an update, batches not
+    drawn as the accountant assumes) leave training working and the claimed
+    epsilon wrong. This audit measures the mechanism on the user's own run:
+    `num_canaries` canaries, each included in the data with probability
+    1/2, are drawn with the examples by the sampler's own draw and dealt to
+    batches and processes as examples are (`wrap` the `PoissonSampler`);
+    each canary row's gradient is a vector of norm 10 times the clip bound
+    on a coordinate of its own (an audit slot that the loss never reads),
+    which the step clips with the examples' clip function, sums (over an
+    update's batches, replicas and processes) and noises in the same call
+    as the model's gradients. Inside the step (compiled,
+    `steps_per_execution > 1`, several processes) the slot's noisy sum of
+    each update is recorded, with no host read.
 
     After `fit`, `result(delta)` gives:
 
     - the one-run lower bound on epsilon (`epsilon_lower_bound` of the
       canaries' summed slot values; Steinke, Nasr and Jagielski 2023)
-      against the accountant's epsilon for the audited updates;
+      against the accountant's epsilon for the audited updates (the
+      accountant `calibrate_noise` used, else Renyi DP's);
     - the noise's standard deviation on the canaries' coordinates against
       the noise multiplier;
     - the sensitivity: a canary's contribution to an update it takes part
       in (the clip bound, once, for a correct step);
-    - the noise's correlation between consecutive updates (0);
+    - the noise's independence: its correlation between consecutive
+      updates (0), and the variance of a left-out canary's noise summed
+      over every update (the updates times one update's, unless some
+      update's noise repeats another's at any distance);
     - the share of updates an included canary took part in against the
       sampler's rate, and whether a left-out canary ever took part.
 
     `check(delta)` raises `PrivacyAuditError` naming each check that failed.
-    A check fails beyond 4 standard errors of what a correct step gives, and
-    the lower bound fails above the claim. Passing proves no privacy: it
-    finds bugs (the lower bound is a bound, and the measurements cover the
-    audit's slot, noised and clipped as the model's variables are).
+    A measured check fails beyond 4 standard errors of what a correct step
+    gives (for a correct run, each about once in 16,000 audits, any of the
+    four about once in 4,000; the errors are normal approximations, which
+    need tens of participations), and the epsilon check fails when the
+    lower bound exceeds the claim. Passing proves no privacy: it finds
+    bugs, in what the canaries pass through. They do not pass through
+    everything: the noise is measured on the slot (the last tensor of the
+    noise call), so noise dropped on a model variable alone is not seen;
+    a canary's norm is set by the audit, so a wrong norm of an example's
+    own gradient (a ghost-clipping error) is not seen
+    (`logs["dp_clipped_fraction"]` shows that one).
 
     The audited run is the model's private step with one example per
     microbatch on Poisson batches (`expected_batch_size`); the canaries
     cost a few rows per batch (`sampling_rate * num_canaries / 2` on
-    average) and about `num_canaries` floats of state. A model without a
-    private step, or without noise, is refused.
+    average) and `9 * num_canaries` floats of state. They reach the model's
+    loss with weight 0, so the weights train as without the audit (on the
+    examples the draw gives), but they count in the logged loss and in
+    metrics without sample weights as the sampler's padding rows do: use
+    `weighted_metrics`, and mind callbacks that watch the loss. The
+    wrapped sampler shares the sampler's state: training on the sampler
+    afterwards goes on from the audited run's epoch. A model without a
+    private step, or without noise, is refused, and so is the audited
+    sampler as validation data.
 
     Args:
         num_canaries: Integer >= 2. The canaries (half included on
@@ -558,6 +608,8 @@ class CanaryAudit(keras.callbacks.Callback):
         self.sampler: CanarySampler | None = None
         self._audited: Any = None
         self._slot: Any = None
+        # Whether a fit of `_audited` began training (then it stays bound).
+        self._bound = False
 
     def wrap(self, sampler: sampling.PoissonSampler) -> CanarySampler:
         """Returns `sampler`'s draws with this audit's canaries added.
@@ -582,17 +634,29 @@ class CanaryAudit(keras.callbacks.Callback):
                 f"Received: sampler={type(sampler).__name__}. Pass "
                 "PoissonSampler(x, y, batch_size=...)."
             )
-        if self.sampler is not None:
+        if self.sampler is not None or "_wrapping" in vars(sampler):
             raise ValueError(
-                "A CanaryAudit wraps one sampler: its canaries' membership "
-                "and statistics belong to one run. Received: a second "
-                "sampler. Make a new CanaryAudit for it."
+                "A CanaryAudit wraps one sampler, and a sampler takes one "
+                "audit's canaries: their membership and statistics belong to "
+                "one run. Received: a second sampler for this audit, or a "
+                "sampler another audit wrapped. Make a new CanaryAudit and "
+                "a new PoissonSampler."
+            )
+        weights = np.asarray(sampler._weights)
+        if np.any(weights < 0):
+            raise ValueError(
+                "An audited sampler marks its canaries with sample weights "
+                "below 0, so the examples' weights must be >= 0. Received: "
+                f"{int(np.sum(weights < 0))} negative sample weight(s), the "
+                f"smallest {float(weights.min())}. Pass weights >= 0."
             )
         self.sampler = CanarySampler(sampler, self)
         return self.sampler
 
     def on_train_begin(self, logs: Any = None) -> None:
         """Refuses a model whose `fit` did not take the audit's canaries."""
+        if self._audited is not None and self._audited is self.model:
+            self._bound = True
         if self._audited is not self.model:
             raise ValueError(
                 "CanaryAudit audits the private step of a "
@@ -612,17 +676,21 @@ class CanaryAudit(keras.callbacks.Callback):
             An `AuditResult`.
 
         Raises:
-            ValueError: Before any audited update.
+            ValueError: For a `delta` outside `(0, 1)`, or before any
+                audited update.
         """
         delta = _validation.fraction("delta", delta)
+        if not 0.0 < delta < 1.0:
+            raise ValueError(
+                "`delta` must be in (0, 1): the delta of the accountant's "
+                f"claim. Received: delta={delta!r}. Pass for example 1e-5."
+            )
         model, sampler = self._audited, self.sampler
-        if model is None or sampler is None or not 0.0 < delta < 1.0:
+        if model is None or sampler is None or not self._bound:
             raise ValueError(
                 "`CanaryAudit.result` reads the audited run: call it after "
                 "`fit` trained on `audit.wrap(sampler)` with the audit among "
-                f"the callbacks, with delta in (0, 1). Received: delta="
-                f"{delta!r}"
-                + ("" if model is not None else ", and no audited fit")
+                "the callbacks. Received: no audited fit."
             )
         values = backend.current().host_value(model, self._slot.statistics)
         rows = {
@@ -642,12 +710,15 @@ class CanaryAudit(keras.callbacks.Callback):
         bound = epsilon_lower_bound(
             scores[included], scores[~included], delta, self.confidence
         )
+        # The accountant the noise was calibrated with (`calibrate_noise`),
+        # else Renyi DP's (looser: a weaker check).
         claimed = privacy.epsilon(
             steps=updates,
             batch_size=round(sampler.sampling_rate * sampler.num_examples),
             num_examples=sampler.num_examples,
             noise_multiplier=sigma,
             delta=delta,
+            accountant=getattr(model.noise_multiplier, "accountant", "rdp"),
         )
         return _judged(
             rows, included, clip, sigma, sampler.sampling_rate, updates,
@@ -687,7 +758,8 @@ class CanaryAudit(keras.callbacks.Callback):
             )
         if self._slot is None:
             holder = _model_state.state_of(model).holder
-            self._slot = _canaries.Slot(self.num_canaries, holder.track)
+            with backend.current().model_scope(model):
+                self._slot = _canaries.Slot(self.num_canaries, holder.track)
         self._audited = model
         return self._slot
 
@@ -734,12 +806,26 @@ def _judged(
         pairs * variance, 1e-30
     )
     correlation_error = 1.0 / math.sqrt(max(pairs, 1.0))
-    if pairs < 2 or abs(correlation) > _CHECK_ERRORS * correlation_error:
+    # A left-out canary's score sums pure noise over every update: its
+    # variance is `updates` times the noise's, unless the noise of some
+    # updates repeats (at any distance: an epoch, a fit).
+    outs = rows["score"][~included]
+    spread = float(np.mean(outs * outs)) / max(updates * variance, 1e-30)
+    spread_error = math.sqrt(2.0 / max(outs.size, 1))
+    if variance == 0.0:
+        failures["independence"] = "no noise measured: none to test"
+    elif pairs < 2:
+        failures["independence"] = "fewer than 2 pairs of consecutive updates"
+    elif abs(correlation) > _CHECK_ERRORS * correlation_error:
         failures["independence"] = (
             f"consecutive updates' noise correlates ({correlation:+.4f} +- "
             f"{correlation_error:.4f}): it repeats"
-            if pairs >= 2
-            else "fewer than 2 pairs of consecutive updates"
+        )
+    elif abs(spread - 1.0) > _CHECK_ERRORS * spread_error:
+        failures["independence"] = (
+            "the noise summed over the updates varies "
+            f"{spread:.3f} +- {spread_error:.3f} times as much as "
+            "independent noise would: some updates' noise repeats"
         )
     members = int(included.sum())
     share = taken / max(members * updates, 1)
@@ -772,6 +858,8 @@ def _judged(
         sensitivity_error=sensitivity_error,
         autocorrelation=correlation,
         autocorrelation_error=correlation_error,
+        summed_noise_ratio=spread,
+        summed_noise_ratio_error=spread_error,
         participation_rate=share,
         sampling_rate=rate,
         participation_rate_error=share_error,
@@ -796,6 +884,17 @@ def audit_of_fit(model: Any, arguments: dict[str, Any]) -> Any:
     callbacks = arguments.get("callbacks") or ()
     audits = [c for c in callbacks if isinstance(c, CanaryAudit)]
     x = arguments.get("x")
+    validation = arguments.get("validation_data")
+    if isinstance(validation, CanarySampler) or any(
+        isinstance(part, CanarySampler)
+        for part in (validation if isinstance(validation, tuple) else ())
+    ):
+        raise ValueError(
+            "An audited sampler's batches carry canary rows that only the "
+            "private training step reads: they cannot be validation data. "
+            "Received: validation_data=<the audited sampler>. Validate on "
+            "arrays, or on a PoissonSampler that is not wrapped."
+        )
     if isinstance(x, CanarySampler) and x.audit not in audits:
         raise ValueError(
             "An audited sampler's canaries are read by its CanaryAudit, "
@@ -846,8 +945,14 @@ def feeding(audit: Any, model: Any) -> Iterator[Any]:
         yield None
         return
     slot = audit._attach(model)
-    audit.sampler._feeding = model
+    # An update window an earlier fit left open is dropped with the model's.
+    slot.pending.assign(np.zeros(slot.pending.shape, "float32"))
+    wrapping = audit.sampler._wrapping
+    wrapping.feeding = model
     try:
         yield slot
     finally:
-        audit.sampler._feeding = None
+        wrapping.feeding = None
+        if not audit._bound:
+            # Refused before training began: the audit stays free.
+            audit._audited = audit._slot = None

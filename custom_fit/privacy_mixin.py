@@ -1134,6 +1134,7 @@ class DifferentialPrivacyMixin(TrainStepMixin):
             # batch's, summed over replicas as the clipped sums are.
             sums = _canaries.slot_sums(
                 norms,
+                mask,
                 state.local.audit_rows,
                 clip,
                 state.dp_audit.num_canaries,

@@ -240,12 +240,16 @@ class PoissonSampler(keras.utils.PyDataset):
         Returns:
             A NumPy array of example indices.
         """
+        return self._drawn(epoch, number, self.num_examples)
+
+    def _drawn(self, epoch: int, number: int, population: int) -> np.ndarray:
+        """`draw` from `population` indices (an audit adds its canaries)."""
         key = [self._entropy, epoch, number]
         if self._stream:
             key = [self._entropy, self._stream, epoch, number]
         generator = np.random.default_rng(key)
-        size = generator.binomial(self.num_examples, self.sampling_rate)
-        chosen = generator.choice(self.num_examples, size, replace=False)
+        size = generator.binomial(population, self.sampling_rate)
+        chosen = generator.choice(population, size, replace=False)
         return np.sort(chosen)
 
     def indices(self, epoch: int, index: int) -> np.ndarray:

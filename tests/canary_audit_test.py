@@ -16,6 +16,7 @@ from unittest import mock
 
 import keras
 import numpy as np
+import pytest
 from absl.testing import parameterized
 
 import custom_fit
@@ -45,10 +46,17 @@ def _data():
     return x, y
 
 
-def _model(cls=Private, layer_norm=False, accumulation=None, **options):
+def _model(
+    cls=Private, layer_norm=False, accumulation=None, regularized=False,
+    **options,
+):
     keras.utils.set_random_seed(0)
     inputs = keras.Input((6,))
-    hidden = keras.layers.Dense(8, activation="tanh")(inputs)
+    # A weight penalty (in `model.losses`): every example's gradient has a
+    # part from it, no canary row's.
+    hidden = keras.layers.Dense(
+        8, activation="tanh", kernel_regularizer="l2" if regularized else None
+    )(inputs)
     if layer_norm:  # per-example gradients of the whole model
         hidden = keras.layers.LayerNormalization()(hidden)
     outputs = keras.layers.Dense(2)(hidden)
@@ -131,9 +139,24 @@ def _counted_twice(sampler_parts):
     return parts
 
 
+class _Replay(sampling.PoissonSampler):
+    """A plain sampler whose draws are an audited sampler's examples."""
+
+    def __init__(self, sampler, audit):
+        self.__dict__.update(vars(sampler))
+        self.audit, self.num_canaries = audit, audit.num_canaries
+
+    included = auditing.CanarySampler.included
+
+    def draw(self, epoch, number):
+        chosen = auditing.CanarySampler.draw(self, epoch, number)
+        return chosen[chosen < self.num_examples]
+
+
 class CanaryAuditTest(testing.TestCase):
     @parameterized.named_parameters(
         ("ghost", {}),
+        ("regularized", {"kernel_regularizer": True}),
         ("vectorized", {"layer_norm": True}),
         ("accumulation", {"accumulation": 2}),
         ("steps_per_execution", {"steps_per_execution": 4}),
@@ -153,6 +176,7 @@ class CanaryAuditTest(testing.TestCase):
         model = _model(
             layer_norm=case.get("layer_norm", False),
             accumulation=case.get("accumulation"),
+            regularized=case.get("kernel_regularizer", False),
         )
         _, audit = _audited_fit(
             model,
@@ -180,18 +204,24 @@ class CanaryAuditTest(testing.TestCase):
         with self.assertRaisesRegex(auditing.PrivacyAuditError, "noise"):
             audit.check(DELTA)
         found = audit.result(DELTA)
-        self.assertEqual(list(found.failures), ["noise"])
+        self.assertIn("noise", found.failures)
+        self.assertEqual(
+            found.failures.get("independence"), "no noise measured: none to test"
+        )
+        self.assertTrue(found.checks["sensitivity"])
+        self.assertTrue(found.checks["sampling"])
         self.assertAllClose(found.sensitivity, 1.0, atol=1e-5, rtol=0)
         self.assertAllClose(found.noise_stddev, 0.0, atol=1e-6)
 
     def test_the_audit_leaves_the_models_training_as_it_was(self):
-        """Noise off: the audited fit ends on the weights of the same fit
-        without the audit (the canaries reach only the slot; the examples'
-        draws are the sampler's own)."""
+        """Noise off: the audited fit ends on the weights of a fit without
+        the audit on the same examples' batches (a sampler that draws what
+        the audited one draws, canaries left out): the canaries reach only
+        the slot."""
         with mock.patch.object(
             privacy, "add_noise", lambda tensors, stddev, seeds: tensors
         ):
-            audited, _ = _audited_fit()
+            audited, audit = _audited_fit()
             plain = _model()
             plain.compile(
                 optimizer=keras.optimizers.SGD(0.1),
@@ -199,7 +229,7 @@ class CanaryAuditTest(testing.TestCase):
                     from_logits=True
                 ),
             )
-            plain.fit(_sampler(), epochs=2, verbose=0)
+            plain.fit(_Replay(_sampler(), audit), epochs=2, verbose=0)
         for got, want in zip(audited.get_weights(), plain.get_weights()):
             self.assertAllClose(got, want, atol=1e-6, rtol=0)
 
@@ -244,6 +274,41 @@ class CanaryAuditTest(testing.TestCase):
         self.assertFalse(found.checks[check], str(found))
         self.assertIn(check, found.failures)
 
+    def test_the_sampler_goes_on_after_the_audited_run(self):
+        """The wrapped sampler is the sampler: its epoch moved on with the
+        audited fit, so training on it afterwards draws new batches."""
+        sampler = _sampler()
+        model = _model()
+        model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+        audit = auditing.CanaryAudit(num_canaries=10)
+        model.fit(audit.wrap(sampler), epochs=2, callbacks=[audit], verbose=0)
+        self.assertEqual(sampler.epoch, audit.sampler.epoch)
+        self.assertGreaterEqual(sampler.epoch, 2)
+
+    def test_a_refused_fit_leaves_the_audit_free(self):
+        """A fit refused before training (a BatchNormalization that would
+        learn from the data) leaves the audit unbound: the fixed model fits
+        with the same audit and sampler."""
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((6,))
+        normalized = keras.layers.BatchNormalization()(inputs)
+        refused = Private(
+            inputs,
+            keras.layers.Dense(2)(normalized),
+            l2_norm_clip=1.0,
+            noise_multiplier=1.0,
+            expected_batch_size=BATCH,
+        )
+        refused.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+        audit = auditing.CanaryAudit(num_canaries=CANARIES, seed=7)
+        wrapped = audit.wrap(_sampler())
+        with self.assertRaisesRegex(ValueError, "BatchNormalization"):
+            refused.fit(wrapped, callbacks=[audit], verbose=0)
+        model = _model()
+        model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+        model.fit(wrapped, epochs=2, callbacks=[audit], verbose=0)
+        self.assertTrue(audit.check(DELTA).passed)
+
     def test_what_the_audit_refuses(self):
         """A model without a private step, an audit without its sampler (or
         the sampler without its audit), a run without noise, batches
@@ -274,6 +339,22 @@ class CanaryAuditTest(testing.TestCase):
             auditing.CanaryAudit().wrap(wrapped)
         with self.assertRaisesRegex(ValueError, "no audited fit"):
             audit.result(DELTA)
+        with self.assertRaisesRegex(ValueError, "delta=0"):
+            audit.result(0)
+        with self.assertRaisesRegex(ValueError, "validation data"):
+            private.fit(
+                wrapped,
+                validation_data=wrapped,
+                callbacks=[audit],
+                verbose=0,
+            )
+        x, y = _data()
+        weights = np.ones(SAMPLES, "float32")
+        weights[3] = -1.0
+        with self.assertRaisesRegex(ValueError, "negative sample weight"):
+            auditing.CanaryAudit().wrap(
+                sampling.PoissonSampler(x, y, BATCH, sample_weight=weights)
+            )
         silent = _model(noise_multiplier=0.0)
         silent.compile(optimizer="sgd", loss=loss)
         with self.assertRaisesRegex(ValueError, "without noise"):
@@ -286,3 +367,27 @@ class CanaryAuditTest(testing.TestCase):
         for bad in ({"num_canaries": 1}, {"confidence": 1.5}, {"seed": -1}):
             with self.assertRaisesRegex(ValueError, next(iter(bad))):
                 auditing.CanaryAudit(**bad)
+
+
+@pytest.mark.tensorflow
+class MirroredCanaryAuditTest(testing.TestCase):
+    def test_two_replicas_record_each_update_once(self):
+        """A model built and compiled under a MirroredStrategy over two
+        CPUs, fitted outside its scope (Keras' pattern): the audit made in
+        `fit` records each update once, and every check passes."""
+        strategy = testing.mirrored_strategy()
+        with strategy.scope():
+            model = _model()
+            model.compile(
+                optimizer=keras.optimizers.SGD(0.1),
+                loss=keras.losses.SparseCategoricalCrossentropy(
+                    from_logits=True
+                ),
+            )
+        audit = auditing.CanaryAudit(num_canaries=CANARIES, seed=7)
+        model.fit(
+            audit.wrap(_sampler()), epochs=2, callbacks=[audit], verbose=0
+        )
+        found = audit.check(DELTA)
+        self.assertEqual(found.updates, 16)
+        self.assertEqual(model.private_steps, 16)

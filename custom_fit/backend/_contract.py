@@ -340,6 +340,12 @@ class Adapter(Protocol):
         """A context lifting state made in a traced step out of the trace."""
         ...
 
+    def model_scope(self, model: Any) -> contextlib.AbstractContextManager:
+        """A context in which state made for `model` outside a step is
+        made as the model's own (under `tf.distribute`, in its strategy's
+        scope: one copy per replica)."""
+        ...
+
     def read(self, variable: Any) -> Any:
         """The current value of a variable, inside a step."""
         ...

@@ -6,6 +6,7 @@ distribution yet), so there is one replica; a loss recorded on a tape is
 TensorFlow's form only. See `_contract.Adapter` for each name.
 """
 
+import contextlib
 from collections.abc import Callable
 from collections.abc import Iterable
 from collections.abc import Sequence
@@ -202,3 +203,9 @@ def reducible_logs(model: Any, logs: dict[str, Any]) -> dict:
 
 class TrainerHooks:
     """No Keras trainer method needs overriding."""
+
+
+def model_scope(model: Any) -> contextlib.AbstractContextManager:
+    """Returns a context that does nothing: no strategy holds the model."""
+    del model
+    return contextlib.nullcontext()

@@ -68,6 +68,7 @@ from custom_fit.backend._dense import dtype_groups as _dtype_groups
 from custom_fit.backend._dense import group_sums  # noqa: F401
 from custom_fit.backend._dense import is_sparse  # noqa: F401
 from custom_fit.backend._dense import map_values  # noqa: F401
+from custom_fit.backend._dense import model_scope  # noqa: F401
 from custom_fit.backend._dense import normal as _normal
 from custom_fit.backend._dense import on_first_replica  # noqa: F401
 from custom_fit.backend._dense import recorded_gradients  # noqa: F401

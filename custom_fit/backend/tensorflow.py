@@ -527,6 +527,14 @@ def creation_scope() -> contextlib.AbstractContextManager:
     return tf.init_scope()
 
 
+def model_scope(model: Any) -> contextlib.AbstractContextManager:
+    """Returns the scope of the model's strategy (none: the default one)."""
+    strategy = getattr(model, "distribute_strategy", None)
+    if strategy is None or strategy is tf.distribute.get_strategy():
+        return contextlib.nullcontext()  # in force already, or none
+    return strategy.scope()
+
+
 def read(variable: Any) -> Any:
     """Returns the current value of a state or model variable, in a step."""
     if isinstance(variable, tf.Variable):

@@ -54,6 +54,7 @@ from custom_fit.backend._dense import divisible_first_axis  # noqa: F401
 from custom_fit.backend._dense import dtype_groups as _dtype_groups
 from custom_fit.backend._dense import is_sparse  # noqa: F401
 from custom_fit.backend._dense import map_values  # noqa: F401
+from custom_fit.backend._dense import model_scope  # noqa: F401
 from custom_fit.backend._dense import recorded_gradients  # noqa: F401
 from custom_fit.backend._dense import reducible_logs  # noqa: F401
 from custom_fit.backend._dense import replica_count  # noqa: F401

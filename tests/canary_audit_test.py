@@ -206,7 +206,8 @@ class CanaryAuditTest(testing.TestCase):
         found = audit.result(DELTA)
         self.assertIn("noise", found.failures)
         self.assertEqual(
-            found.failures.get("independence"), "no noise measured: none to test"
+            found.failures.get("independence"),
+            "no noise measured: none to test",
         )
         self.assertTrue(found.checks["sensitivity"])
         self.assertTrue(found.checks["sampling"])

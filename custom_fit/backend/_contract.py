@@ -341,9 +341,11 @@ class Adapter(Protocol):
         ...
 
     def model_scope(self, model: Any) -> contextlib.AbstractContextManager:
-        """A context in which state made for `model` outside a step is
-        made as the model's own (under `tf.distribute`, in its strategy's
-        scope: one copy per replica)."""
+        """A context in which state made for `model` is the model's own.
+
+        For state made outside a step: under `tf.distribute`, in the
+        model's strategy's scope (one copy per replica).
+        """
         ...
 
     def read(self, variable: Any) -> Any:

@@ -30,10 +30,14 @@ _ALL_MODES = {
     "steps_per_execution": dict(jit_compile=False, steps_per_execution=4),
     "jit_steps_per_execution": dict(jit_compile=True, steps_per_execution=4),
 }
+# Keras' PyTorch trainer runs several steps per call from Keras 3.16.
+TORCH_LOOPS = BACKEND == "torch" and tuple(
+    int(part) for part in keras.version().split(".")[:2]
+) >= (3, 16)
 _MODES_OF = {
     "tensorflow": ("eager", "graph_fn", "jit_steps_per_execution"),
     "jax": ("eager", "jit", "jit_steps_per_execution"),
-    "torch": ("eager",),
+    "torch": ("eager", "steps_per_execution") if TORCH_LOOPS else ("eager",),
 }
 EXECUTION_MODES = tuple((name, _ALL_MODES[name]) for name in _MODES_OF[BACKEND])
 # The modes whose step is compiled (traced), none on PyTorch.
@@ -48,10 +52,14 @@ def modes(*names):
     """Returns the named execution modes, those that run on this backend.
 
     For a test that sweeps its own list: on PyTorch, where no step is
-    compiled, only `"eager"` and `"graph_fn"` (`jit_compile=False`) run.
+    compiled, only `"eager"` and `"graph_fn"` (`jit_compile=False`) run,
+    and `"steps_per_execution"` from Keras 3.16.
     """
     if BACKEND == "torch":
-        names = tuple(n for n in names if n in ("eager", "graph_fn"))
+        kept = ("eager", "graph_fn") + (
+            ("steps_per_execution",) if TORCH_LOOPS else ()
+        )
+        names = tuple(n for n in names if n in kept)
     return tuple((name, _ALL_MODES[name]) for name in names)
 
 
@@ -63,7 +71,7 @@ def _runs_here(value):
         return True
     return not (
         value.get("jit_compile") is True
-        or value.get("steps_per_execution", 1) > 1
+        or (value.get("steps_per_execution", 1) > 1 and not TORCH_LOOPS)
     )
 
 
@@ -87,15 +95,18 @@ def compiled(**kwargs):
     runs eagerly, `kwargs` without `steps_per_execution` (a case about
     something else than the mode still runs there)."""
     if BACKEND == "torch":
-        kwargs.pop("steps_per_execution", None)
+        if not TORCH_LOOPS:
+            kwargs.pop("steps_per_execution", None)
         return kwargs
     return dict(jit_compile=True, **kwargs)
 
 
 def looped(steps):
-    """`compile` arguments for `steps_per_execution=steps`; on PyTorch,
-    which runs one step per execution, none."""
-    return {} if BACKEND == "torch" else dict(steps_per_execution=steps)
+    """`compile` arguments for `steps_per_execution=steps`; on PyTorch
+    before Keras 3.16, which runs one step per execution, none."""
+    if BACKEND == "torch" and not TORCH_LOOPS:
+        return {}
+    return dict(steps_per_execution=steps)
 
 
 class TestCase(parameterized.TestCase):

@@ -209,3 +209,9 @@ def model_scope(model: Any) -> contextlib.AbstractContextManager:
     """Returns a context that does nothing: no strategy holds the model."""
     del model
     return contextlib.nullcontext()
+
+
+def keras_at_least(version: tuple[int, int]) -> bool:
+    """Whether the Keras in use is `version` (major, minor) or later."""
+    found = tuple(int(part) for part in keras.version().split(".")[:2])
+    return found >= version

@@ -18,7 +18,8 @@ backend's own transformations differs from one such backend to another:
   with its abstract trace, its compiler and its placement of the state;
 - `LATEST`: each model's latest state while `fit` runs.
 
-It imports no backend: the adapter hands it its transformations.
+It imports no backend library: the adapter hands it its
+transformations.
 """
 
 import contextlib
@@ -33,12 +34,12 @@ from typing import Any
 import keras
 from keras import ops
 
+from custom_fit.backend import _dense
+
 _LOCAL = threading.local()
 # Whether Keras' JAX epoch iterator stacks the batches of an execution
 # (`steps_per_execution > 1`) into one item: from Keras 3.16.
-_SUPER_BATCHES = tuple(
-    int(part) for part in keras.version().split(".")[:2]
-) >= (3, 16)
+_SUPER_BATCHES = _dense.keras_at_least((3, 16))
 
 
 class Scope(keras.StatelessScope):

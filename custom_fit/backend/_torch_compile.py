@@ -155,22 +155,29 @@ def apply(optimizer: Any, gradients: list[Any], variables: list[Any]) -> None:
 def step_function(model: Any, kind: str) -> Callable[[Any], Any]:
     """The train or test function of a model compiled with `jit_compile`.
 
-    What Keras' PyTorch trainer runs (one batch per call), without
-    compiling the whole step: `forward` compiles the model's part.
+    What Keras' PyTorch trainer runs (a step for each batch of the list a
+    call is given), without compiling the whole step: `forward` compiles
+    the model's part.
     """
     if kind == "train":
 
         def train_function(data: Any) -> Any:
             _LOCAL.compiled_step = True
             try:
-                return model.train_step(data[0])
+                logs = {}
+                for batch in data:
+                    logs = model.train_step(batch)
+                return logs
             finally:
                 _LOCAL.compiled_step = False
 
         return train_function
 
     def test_function(data: Any) -> Any:
+        logs = {}
         with torch.no_grad():
-            return model.test_step(data[0])
+            for batch in data:
+                logs = model.test_step(batch)
+        return logs
 
     return test_function

@@ -454,6 +454,15 @@ class ProcessStep:
             return self.function(data)
         if not self.synced:
             self.synchronize()
+        # Keras hands a call a list of batches (several from Keras 3.16,
+        # with `steps_per_execution > 1`): one step each, its size noted.
+        logs = None
+        for batch in data if isinstance(data, list) else [data]:
+            logs = self._one_step([batch])
+        return logs
+
+    def _one_step(self, data: list[Any]) -> Any:
+        """Runs Keras' function on a list of one batch."""
         size = _batch_size(data)
         looking = self.kind == "train" and self.layer_state is None
         candidates = self.float_state() if looking else []

@@ -53,6 +53,7 @@ from custom_fit.backend._dense import dense_size  # noqa: F401
 from custom_fit.backend._dense import divisible_first_axis  # noqa: F401
 from custom_fit.backend._dense import dtype_groups as _dtype_groups
 from custom_fit.backend._dense import is_sparse  # noqa: F401
+from custom_fit.backend._dense import keras_at_least as _keras_at_least
 from custom_fit.backend._dense import map_values  # noqa: F401
 from custom_fit.backend._dense import model_scope  # noqa: F401
 from custom_fit.backend._dense import recorded_gradients  # noqa: F401
@@ -538,6 +539,10 @@ def check_strategy() -> None:
     )
 
 
+# Whether Keras' PyTorch trainer runs several steps per call (3.16 on).
+_SEVERAL_STEPS_PER_CALL = _keras_at_least((3, 16))
+
+
 def make_step_function(
     model: Any,
     kind: str,
@@ -547,16 +552,16 @@ def make_step_function(
     """Returns the train or test function, data parallel over processes.
 
     Keras' own, or with `jit_compile=True` one whose forward pass is
-    compiled (`_torch_compile`) rather than the whole step. Either runs one
-    batch per call, so `steps_per_execution` above 1 is refused, as Keras'
-    PyTorch trainer refuses it (a call would drop the batches after its
-    first).
+    compiled (`_torch_compile`) rather than the whole step. A call runs the
+    batches Keras hands it, one step each: from Keras 3.16 up to
+    `steps_per_execution` of them; up to Keras 3.15, whose PyTorch trainer
+    refuses more than one, `steps_per_execution` above 1 is refused.
     """
-    if model.steps_per_execution > 1:
+    if model.steps_per_execution > 1 and not _SEVERAL_STEPS_PER_CALL:
         raise ValueError(
-            "`steps_per_execution` must be 1 with the PyTorch backend: a "
-            "call of the train or test function runs one batch, as in "
-            "Keras' PyTorch trainer. Received: "
+            "`steps_per_execution` must be 1 with the PyTorch backend "
+            "before Keras 3.16: a call of the train or test function runs "
+            "one batch, as in Keras' PyTorch trainer. Received: "
             f"steps_per_execution={model.steps_per_execution} (with "
             f"jit_compile={model.jit_compile!r}). Compile with "
             "steps_per_execution=1."

@@ -43,7 +43,10 @@ def train(x, y, noise, audit=None):
     keras.utils.set_random_seed(_SEED.value)
     # No seed: a secret one, drawn from the system (the draws are the
     # privacy); the noise's seed is secret too.
-    sampler = custom_fit.sampling.PoissonSampler(x, y, batch_size=64)
+    # Batches padded to multiples of 32 rows: a few shapes to compile.
+    sampler = custom_fit.sampling.PoissonSampler(
+        x, y, batch_size=64, pad_to_multiple_of=32
+    )
     inputs = keras.Input((64,))
     hidden = keras.layers.Dense(64, activation="relu")(inputs)
     model = Net(

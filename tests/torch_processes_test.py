@@ -353,11 +353,11 @@ class TorchProcessesTest(testing.TestCase):
             )
 
     def test_an_audited_run_equals_one_process(self):
-        """A `CanaryAudit` of DP-SGD on Poisson batches (canaries dealt to
-        the processes as examples are): with given seeds every figure of
-        the audit equals one process fed the same draws (the canaries'
+        """The Poisson run above, audited by a `CanaryAudit` (canaries dealt
+        to the processes as examples are): with given seeds every figure
+        of the audit equals one process fed the same draws (the canaries'
         slot summed over the processes once), every check passes; with
-        secret seeds both processes report the same audit."""
+        secret seeds (one epoch) both processes report the same audit."""
         single = self.saved["single"]["audit/figures"]
         self.assertEqual(single[-1], 1.0)  # every check passed
         self.assertEqual(single[-3], 12)  # updates

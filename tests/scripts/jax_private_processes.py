@@ -93,25 +93,8 @@ def train(process, processes, label):
             x, y, batch_size=BATCH, seed=seed, pad_to_multiple_of=8
         )
 
-    model = private_model()
-    budget = custom_fit.callbacks.PrivacyBudget(
-        num_examples=SAMPLES, batch_size=BATCH, delta=1e-3
-    )
-    history = model.fit(sampler(), epochs=3, verbose=0, callbacks=[budget])
-    saved = {f"weight_{i}": w for i, w in enumerate(model.get_weights())}
-    saved["epsilon"] = np.asarray(history.history["epsilon"])
-
-    # Secret seeds of the noise and the sampler: each process draws its
-    # own, and fit hands process 0's to the others.
-    secret = private_model(noise_seed=None)
-    secret.fit(sampler(seed=None), epochs=1, verbose=0)
-    for i, weight in enumerate(secret.get_weights()):
-        saved[f"secret_weight_{i}"] = weight
-
-    def audit_figures(model, data, seed=None):
-        # 3 epochs audited by 200 canaries: the audit's figures, passed.
-        audit = custom_fit.auditing.CanaryAudit(num_canaries=200, seed=seed)
-        model.fit(audit.wrap(data), epochs=3, verbose=0, callbacks=[audit])
+    def figures(audit):
+        # The audit's figures, and whether every check passed.
         found = audit.result(1e-3)
         return np.asarray(
             [
@@ -128,12 +111,31 @@ def train(process, processes, label):
             np.float64,
         )
 
-    # Audited by canaries, with given seeds (equal to one process) and with
-    # secret ones (the canaries' membership from process 0's seed).
-    saved["audit_figures"] = audit_figures(private_model(), sampler(), seed=7)
-    saved["audit_secret_figures"] = audit_figures(
-        private_model(noise_seed=None), sampler(seed=None)
+    # Audited by 200 canaries (drawn and dealt to the processes as examples
+    # are): the audit's figures too must equal one process'.
+    model = private_model()
+    budget = custom_fit.callbacks.PrivacyBudget(
+        num_examples=SAMPLES, batch_size=BATCH, delta=1e-3
     )
+    audit = custom_fit.auditing.CanaryAudit(num_canaries=200, seed=7)
+    history = model.fit(
+        audit.wrap(sampler()), epochs=3, verbose=0, callbacks=[budget, audit]
+    )
+    saved = {f"weight_{i}": w for i, w in enumerate(model.get_weights())}
+    saved["epsilon"] = np.asarray(history.history["epsilon"])
+    saved["audit_figures"] = figures(audit)
+
+    # Secret seeds of the noise and the sampler: each process draws its
+    # own, and fit hands process 0's to the others (the canaries'
+    # membership too, from the sampler's seed).
+    secret = private_model(noise_seed=None)
+    audit = custom_fit.auditing.CanaryAudit(num_canaries=200)
+    secret.fit(
+        audit.wrap(sampler(seed=None)), epochs=1, verbose=0, callbacks=[audit]
+    )
+    for i, weight in enumerate(secret.get_weights()):
+        saved[f"secret_weight_{i}"] = weight
+    saved["audit_secret_figures"] = figures(audit)
 
     # Samplers with a seed of their own in each process: refused.
     try:

@@ -458,11 +458,17 @@ def poisson_private(x, y, rank, world):
     sampler = custom_fit.sampling.PoissonSampler(
         x, y, batch_size=GLOBAL_BATCH, seed=5
     )
-    history = model.fit(sampler, epochs=3, verbose=0, callbacks=[budget])
+    # Audited by 200 canaries (drawn and dealt to the processes as examples
+    # are): the audit's figures too must equal one process'.
+    audit = custom_fit.auditing.CanaryAudit(num_canaries=200, seed=7)
+    history = model.fit(
+        audit.wrap(sampler), epochs=3, verbose=0, callbacks=[budget, audit]
+    )
     results = {
         f"poisson/weight_{i}": w for i, w in enumerate(model.get_weights())
     }
     results["poisson/epsilon"] = np.asarray(history.history["epsilon"])
+    results["audit/figures"] = audit_figures(audit)
     # Secret seeds, of the noise and of the sampler: each process draws its
     # own, and fit hands process 0's to the other.
     secret = network(
@@ -473,33 +479,19 @@ def poisson_private(x, y, rank, world):
         expected_batch_size=GLOBAL_BATCH,
     )
     secret.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss)
+    # The canaries' membership from the sampler's seed: process 0's.
+    audit = custom_fit.auditing.CanaryAudit(num_canaries=200)
     secret.fit(
-        custom_fit.sampling.PoissonSampler(x, y, batch_size=GLOBAL_BATCH),
+        audit.wrap(
+            custom_fit.sampling.PoissonSampler(x, y, batch_size=GLOBAL_BATCH)
+        ),
         epochs=1,
         verbose=0,
+        callbacks=[audit],
     )
     for i, weight in enumerate(secret.get_weights()):
         results[f"poisson_secret/weight_{i}"] = weight
-    # Audited by canaries, with given seeds (equal to one process) and with
-    # secret ones (the canaries' membership from process 0's seed).
-    results["audit/figures"] = audit_figures(
-        private_model(),
-        custom_fit.sampling.PoissonSampler(
-            x, y, batch_size=GLOBAL_BATCH, seed=5
-        ),
-        seed=7,
-    )
-    secret = network(
-        Private,
-        rank,
-        l2_norm_clip=2.5,
-        noise_multiplier=1.0,
-        expected_batch_size=GLOBAL_BATCH,
-    )
-    secret.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss)
-    results["audit_secret/figures"] = audit_figures(
-        secret, custom_fit.sampling.PoissonSampler(x, y, GLOBAL_BATCH)
-    )
+    results["audit_secret/figures"] = audit_figures(audit)
     refusals = {
         # Each process' own seed, its own data, shuffling asked for.
         "seed": (dict(x=x, y=y, seed=rank), {}),
@@ -535,11 +527,9 @@ def poisson_private(x, y, rank, world):
     return results
 
 
-def audit_figures(model, sampler, seed=None):
-    """Fits `model` for 3 epochs on `sampler` audited by 200 canaries;
-    returns the audit's figures and whether every check passed."""
-    audit = custom_fit.auditing.CanaryAudit(num_canaries=200, seed=seed)
-    model.fit(audit.wrap(sampler), epochs=3, verbose=0, callbacks=[audit])
+def audit_figures(audit):
+    """Returns the figures of an audited run, and whether every check
+    passed."""
     found = audit.result(1e-3)
     return np.asarray(
         [

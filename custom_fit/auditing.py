@@ -614,7 +614,9 @@ class CanaryAudit(keras.callbacks.Callback):
     def wrap(self, sampler: sampling.PoissonSampler) -> CanarySampler:
         """Returns `sampler`'s draws with this audit's canaries added.
 
-        Train on what it returns (not on `sampler`, which it copies).
+        Train on what it returns. It shares `sampler`'s state (its seed and
+        epoch): training on `sampler` afterwards goes on from the audited
+        run's epoch.
 
         Args:
             sampler: A `custom_fit.sampling.PoissonSampler`.
@@ -655,9 +657,7 @@ class CanaryAudit(keras.callbacks.Callback):
 
     def on_train_begin(self, logs: Any = None) -> None:
         """Refuses a model whose `fit` did not take the audit's canaries."""
-        if self._audited is not None and self._audited is self.model:
-            self._bound = True
-        if self._audited is not self.model:
+        if self._audited is None or self._audited is not self.model:
             raise ValueError(
                 "CanaryAudit audits the private step of a "
                 "DifferentialPrivacyMixin model, and this model has none "
@@ -665,6 +665,7 @@ class CanaryAudit(keras.callbacks.Callback):
                 f"{type(self.model).__name__}. Train a model built with "
                 "custom_fit.DifferentialPrivacyMixin."
             )
+        self._bound = True
 
     def result(self, delta: float) -> AuditResult:
         """Returns what the audited updates show.

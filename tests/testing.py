@@ -11,6 +11,8 @@ import keras
 import numpy as np
 from absl.testing import parameterized
 
+from custom_fit.backend._dense import keras_at_least
+
 BACKEND = keras.backend.backend()
 
 # Named execution modes for `fit`, as Keras' own trainer tests sweep them,
@@ -31,9 +33,7 @@ _ALL_MODES = {
     "jit_steps_per_execution": dict(jit_compile=True, steps_per_execution=4),
 }
 # Keras' PyTorch trainer runs several steps per call from Keras 3.16.
-TORCH_LOOPS = BACKEND == "torch" and tuple(
-    int(part) for part in keras.version().split(".")[:2]
-) >= (3, 16)
+TORCH_LOOPS = BACKEND == "torch" and keras_at_least((3, 16))
 _MODES_OF = {
     "tensorflow": ("eager", "graph_fn", "jit_steps_per_execution"),
     "jax": ("eager", "jit", "jit_steps_per_execution"),

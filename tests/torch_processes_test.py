@@ -360,7 +360,7 @@ class TorchProcessesTest(testing.TestCase):
         secret seeds (one epoch) both processes report the same audit."""
         single = self.saved["single"]["audit/figures"]
         self.assertEqual(single[-1], 1.0)  # every check passed
-        self.assertEqual(single[-3], 12)  # updates
+        self.assertEqual(single[-4], 12)  # updates
         for label in ("process_0", "process_1"):
             self.assertAllClose(
                 self.saved[label]["audit/figures"], single, atol=1e-5

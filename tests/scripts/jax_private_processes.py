@@ -16,6 +16,7 @@ second sampler, and whether the configurations that cannot be accounted
 are refused, to `DIR/<label>.npz` (`process_<i>` or `single`).
 """
 
+import dataclasses
 import os
 import sys
 
@@ -96,20 +97,9 @@ def train(process, processes, label):
     def figures(audit):
         # The audit's figures, and whether every check passed.
         found = audit.result(1e-3)
-        return np.asarray(
-            [
-                found.epsilon_lower_bound,
-                found.epsilon_claimed,
-                found.noise_ratio,
-                found.sensitivity,
-                found.autocorrelation,
-                found.participation_rate,
-                found.updates,
-                found.canaries_in,
-                found.passed,
-            ],
-            np.float64,
-        )
+        fields = dataclasses.asdict(found).values()
+        numbers = [v for v in fields if not isinstance(v, dict)]
+        return np.asarray([*numbers, found.passed], np.float64)
 
     # Audited by 200 canaries (drawn and dealt to the processes as examples
     # are): the audit's figures too must equal one process'.

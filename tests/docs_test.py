@@ -1,7 +1,9 @@
 """Every Python block of the README and the guides runs as pasted, on its own.
 
 Each ```python block of README.md and of docs/**/*.md is a test of its
-own: it runs in a fresh interpreter, in an empty temporary directory (files
+own: it runs as a script in a fresh interpreter's state (forked from one
+that has only imported Keras and custom_fit: `tests/prewarmed.py`), in an
+empty temporary directory (files
 it writes, such as TensorBoard logs, land there), and must exit 0. A block
 added to a page is tested without any change here. A block that is not
 meant to run (an outline of the step) is preceded by a line starting with
@@ -12,12 +14,12 @@ same run.
 import functools
 import os
 import re
-import subprocess
 import sys
 import tempfile
 
 from absl.testing import parameterized
 
+from tests import prewarmed
 from tests import testing
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -153,20 +155,11 @@ def all_blocks():
 
 @functools.cache
 def run_block(code):
-    """Runs `code` as a script in a fresh interpreter; returns the result."""
+    """Runs `code` as a script of its own, in an empty temporary directory
+    (`prewarmed.run_code`: a fresh interpreter's run); returns the
+    result."""
     with tempfile.TemporaryDirectory() as directory:
-        script = os.path.join(directory, "block.py")
-        with open(script, "w", encoding="utf-8") as handle:
-            handle.write(code)
-        return subprocess.run(
-            [sys.executable, script],
-            cwd=directory,
-            capture_output=True,
-            text=True,
-            timeout=600,
-            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
-            check=False,
-        )
+        return prewarmed.run_code(code, directory, timeout=600)
 
 
 def _named_blocks():

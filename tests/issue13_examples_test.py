@@ -4,27 +4,21 @@ small flags, under the current KERAS_BACKEND, and checks what they print."""
 import math
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 from sklearn import datasets
 
+from tests import prewarmed
 from tests import testing
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_example(name, *flags):
-    """Runs `examples/<name>.py` in a fresh process under the backend of
-    this session; returns its stdout."""
-    result = subprocess.run(
-        [sys.executable, os.path.join(_ROOT, "examples", f"{name}.py"), *flags],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-        env={**os.environ, "KERAS_BACKEND": testing.BACKEND},
+    """Runs `examples/<name>.py` as a program of its own (`prewarmed.run`)
+    under the backend of this session; returns its stdout."""
+    result = prewarmed.run(
+        [os.path.join(_ROOT, "examples", f"{name}.py"), *flags], timeout=300
     )
     if result.returncode != 0:
         raise AssertionError(f"{name} failed:\n{result.stderr[-3000:]}")

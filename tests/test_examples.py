@@ -1,6 +1,7 @@
 """Runs the examples with small flags and checks what they print.
 
-Each example runs in a fresh process under each Keras backend: the test is
+Each example runs as a program of its own (`tests/prewarmed.py`) under
+each Keras backend: the test is
 parameterized over the backend, which the process gets as
 `KERAS_BACKEND`, and each parameter carries that backend's marker, so the
 TensorFlow pass of the suite runs the examples on TensorFlow, the JAX pass
@@ -16,14 +17,13 @@ import functools
 import math
 import os
 import re
-import subprocess
-import sys
 import tempfile
 
 import matplotlib
 import numpy as np
 import pytest
 
+from tests import prewarmed
 from tests import testing
 
 matplotlib.use("Agg")
@@ -48,19 +48,12 @@ TESTED_ELSEWHERE = {
 
 
 def run_example(name, backend, *flags, env=None):
-    """Runs `examples/<name>.py` in a fresh process with
-    `KERAS_BACKEND=backend`; returns the completed process."""
-    return subprocess.run(
-        [
-            sys.executable,
-            os.path.join(testing.EXAMPLES_DIR, f"{name}.py"),
-            *flags,
-        ],
-        capture_output=True,
-        text=True,
+    """Runs `examples/<name>.py` as a program of its own (`prewarmed.run`)
+    with `KERAS_BACKEND=backend`; returns the completed process."""
+    return prewarmed.run(
+        [os.path.join(testing.EXAMPLES_DIR, f"{name}.py"), *flags],
+        env={**(env or {}), "KERAS_BACKEND": backend},
         timeout=300,
-        env={**os.environ, **(env or {}), "KERAS_BACKEND": backend},
-        check=False,
     )
 
 

@@ -36,6 +36,37 @@ def load_digits(seed=0, validation_fraction=0.2):
     return (x_train, y_train), (x_val, y_val)
 
 
+def local_share(x, y, process, processes, global_batch):
+    """Returns one process's rows of every full global batch.
+
+    Processes that each feed their rows train on the global batches of one
+    process fed `x` and `y` unshuffled, in batches of `global_batch`.
+
+    Args:
+        x: Array of all samples.
+        y: Array of all labels.
+        process: Integer, this process's index.
+        processes: Integer, the number of processes.
+        global_batch: Integer, the global batch size.
+
+    Returns:
+        `(x, y)` of this process: for each full global batch, its rows
+        `[process * share, (process + 1) * share)`, `share` being
+        `global_batch / processes`.
+    """
+    share = global_batch // processes
+    batches = len(x) // global_batch
+    keep = [
+        row
+        for batch in range(batches)
+        for row in range(
+            batch * global_batch + process * share,
+            batch * global_batch + (process + 1) * share,
+        )
+    ]
+    return x[keep], y[keep]
+
+
 def keras_datasets_dir():
     """Returns the directory Keras downloads datasets into.
 

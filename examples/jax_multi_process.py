@@ -46,34 +46,6 @@ _TIMEOUT = flags.DEFINE_integer(
 )
 
 
-def local_share(x, y, process, processes, global_batch):
-    """Returns this process's rows of every full global batch.
-
-    Args:
-        x: Array of all samples.
-        y: Array of all labels.
-        process: Integer, this process's index.
-        processes: Integer, the number of processes.
-        global_batch: Integer, the global batch size.
-
-    Returns:
-        `(x, y)` of this process: for each full global batch, its rows
-        `[process * share, (process + 1) * share)`, `share` being
-        `global_batch / processes`.
-    """
-    share = global_batch // processes
-    batches = len(x) // global_batch
-    keep = [
-        row
-        for batch in range(batches)
-        for row in range(
-            batch * global_batch + process * share,
-            batch * global_batch + (process + 1) * share,
-        )
-    ]
-    return x[keep], y[keep]
-
-
 def train(process, processes, label):
     """Builds, trains and (optionally) saves the model.
 
@@ -103,7 +75,7 @@ def train(process, processes, label):
         keras.distribution.set_distribution(distribution)
     keras.utils.set_random_seed(0)
     (x_train, y_train), (x_val, y_val) = digits.load_digits(0)
-    x, y = local_share(
+    x, y = digits.local_share(
         x_train, y_train, process, processes, _GLOBAL_BATCH.value
     )
     model = mlp.build(Net, x_train.shape[1], global_clipnorm=0.5)
@@ -122,7 +94,7 @@ def train(process, processes, label):
     )
     # The same validation rows in any setting: whole global batches of 16.
     rows = len(x_val) // 16 * 16
-    x_eval, y_eval = local_share(
+    x_eval, y_eval = digits.local_share(
         x_val[:rows], y_val[:rows], process, processes, 16
     )
     _, accuracy = model.evaluate(

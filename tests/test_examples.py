@@ -44,6 +44,8 @@ TESTED_ELSEWHERE = {
     "multi_worker": "multi_worker_test.py",
     # JAX only: keras.distribution.initialize over local processes.
     "jax_multi_process": "jax_multi_process_test.py",
+    # A Ray cluster of its own, and the `ray` extra.
+    "ray_train": "ray_train_test.py",
 }
 
 

@@ -124,7 +124,7 @@ class TrainStepParityTest(testing.TestCase):
                 mixin_history[key], plain_history[key], rtol=1e-5, msg=key
             )
 
-    @parameterized.named_parameters(*testing.EXECUTION_MODES)
+    @parameterized.named_parameters(*testing.ALL_EXECUTION_MODES)
     def test_same_weights_and_logs_as_keras(self, mode):
         """Functional mixin model trains exactly like keras.Model."""
         x, y = testing.classification_data()
@@ -144,6 +144,38 @@ class TrainStepParityTest(testing.TestCase):
             ),
         )
         self.assertSameTraining(pair)
+
+    @parameterized.named_parameters(*testing.ALL_EXECUTION_MODES)
+    def test_a_fit_stopped_mid_epoch_then_resumed_trains_as_keras(self, mode):
+        """A callback stops the first fit after its third batch; a second
+        fit trains on. With the step's own state (`skip_nonfinite=True`:
+        the consecutive-skip counter) written back when a fit stops early,
+        the mixin model ends as keras.Model does (on JAX Keras 3.16 renamed
+        the write-back of the state, `state_sync`)."""
+        x, y = testing.classification_data()
+
+        class StopAfterThirdBatch(keras.callbacks.Callback):
+            def on_train_batch_end(self, batch, logs=None):
+                if batch >= 2:
+                    self.model.stop_training = True
+
+        results = []
+        for model_class, options in (
+            (keras.Model, {}),
+            (Net, dict(skip_nonfinite=True)),
+        ):
+            keras.utils.set_random_seed(0)
+            model = testing.mlp(model_class, **options)
+            model.compile(
+                optimizer=keras.optimizers.Adam(0.05),
+                loss=testing.sparse_crossentropy(),
+                **mode,
+            )
+            common = dict(x=x, y=y, batch_size=8, shuffle=False, verbose=0)
+            model.fit(epochs=1, callbacks=[StopAfterThirdBatch()], **common)
+            history = model.fit(epochs=2, **common)
+            results.append((model, history.history))
+        self.assertSameTraining(results)
 
     @parameterized.named_parameters(
         ("sequential", sequential_mlp), ("subclassed", subclassed_mlp)
@@ -269,7 +301,7 @@ class TrainStepParityTest(testing.TestCase):
         self.assertAllClose(results[1], results[0], rtol=1e-6)
         self.assertAllClose(results[1][0], results[1][1], rtol=1e-6)
 
-    @parameterized.named_parameters(*testing.EXECUTION_MODES)
+    @parameterized.named_parameters(*testing.ALL_EXECUTION_MODES)
     def test_a_step_that_raises_keeps_the_weights(self, mode):
         """A hook that raises when the step first runs (a refusal found
         at trace time) leaves the weights as they were, readable, and the

@@ -104,8 +104,9 @@ def train_loop(config):
     Args:
         config: Dict with `epochs`, `global_batch_size`, `resume_from`,
             `output_dir`, `crash_after_epoch`, `plain`, `ray` (whether Ray
-            started this process) and, on JAX, `coordinator` (`host:port`
-            of the JAX cluster).
+            started this process), with Ray `storage` (Ray's run
+            directory) and, on JAX, `coordinator` (`host:port` of the JAX
+            cluster).
     """
     import keras
 
@@ -161,6 +162,7 @@ def train_loop(config):
     keras.utils.set_random_seed(0)
     (x_train, y_train), _ = digits.load_digits(0)
     global_batch = config["global_batch_size"]
+
     # The model's and the optimizer's variables are made in the strategy's
     # scope on TensorFlow.
     def scope():
@@ -183,6 +185,10 @@ def train_loop(config):
             print(
                 f"Ray restarted the run from the checkpoint of epoch {epochs}."
             )
+            if config["output_dir"]:
+                path = os.path.join(config["output_dir"], "restarted_from")
+                with open(path, "w") as handle:
+                    handle.write(str(epochs))
     elif resume_from:
         with scope():
             history = load_checkpoint(resume_from, model)
@@ -228,10 +234,15 @@ def train_loop(config):
                     )
                 crash = config["crash_after_epoch"] == epoch + 1
                 if crash and rank == 0 and restarted is None:
-                    # Ray's controller collects reports every 2 s; one not
-                    # collected yet dies with its worker.
-                    time.sleep(6)
-                    os._exit(1)  # as a lost machine would
+                    # Once: a run restarted without the checkpoint (one Ray
+                    # had not collected) does not die again.
+                    marker = os.path.join(config["storage"], "crashed")
+                    if not os.path.exists(marker):
+                        open(marker, "w").close()
+                        # Ray's controller collects reports every 2 s; one
+                        # not collected yet dies with its worker.
+                        time.sleep(6)
+                        os._exit(1)  # as a lost machine would
 
         callbacks.append(ReportToRay())
 
@@ -324,6 +335,7 @@ def main(argv):
         if name in os.environ:
             variables[name] = os.environ[name]
     storage = config["output_dir"] or tempfile.mkdtemp(prefix="ray_train_")
+    config["storage"] = storage
     ray.init(
         num_cpus=_WORKERS.value + 1,
         include_dashboard=False,

@@ -23,6 +23,7 @@ own (`env` different from this process's), or whose code changes
 import atexit
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -51,6 +52,15 @@ def _imports():
 
 def _run_child(request):
     """In the forked child: runs the program; never returns."""
+    code = 1
+    try:
+        code = _run_program(request)
+    finally:
+        os._exit(code)
+
+
+def _run_program(request):
+    """Runs the program of `request` as `__main__`; returns its exit code."""
     import runpy
     import traceback
 
@@ -66,7 +76,15 @@ def _run_child(request):
         os.close(handle)
     sys.stdin = open(0, encoding="utf-8", closefd=False)
     sys.stdout = open(1, "w", encoding="utf-8", closefd=False)
-    sys.stderr = open(2, "w", encoding="utf-8", closefd=False)
+    # Line-buffered, as the interpreter's own stderr.
+    sys.stderr = open(
+        2,
+        "w",
+        buffering=1,
+        encoding="utf-8",
+        errors="backslashreplace",
+        closefd=False,
+    )
     script = request["argv"][0]
     sys.argv = list(request["argv"])
     sys.path[0] = os.path.dirname(os.path.abspath(script))
@@ -84,18 +102,26 @@ def _run_child(request):
     except BaseException:  # noqa: BLE001 - as the interpreter reports it
         traceback.print_exc()
         code = 1
-    # The interpreter's own ending: exit handlers, then the streams.
+    # The interpreter's own ending: non-daemon threads joined, exit
+    # handlers run, then the streams flushed.
+    threading._shutdown()
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)
+    return code & 0xFF
 
 
-def _serve():
-    """The server: one request per line on stdin, one answer per line."""
+def _serve(answers):
+    """The server: one request per line on stdin, one answer per line on
+    the file descriptor `answers` (stdout is left to what imports print)."""
     _imports()
-    sys.stdout.write(json.dumps({"ready": True}) + "\n")
-    sys.stdout.flush()
+    out = os.fdopen(answers, "w", encoding="utf-8")
+
+    def answer(message):
+        out.write(json.dumps(message) + "\n")
+        out.flush()
+
+    answer({"ready": True})
     for line in sys.stdin:
         request = json.loads(line)
         sys.stdout.flush()
@@ -103,51 +129,58 @@ def _serve():
         pid = os.fork()
         if pid == 0:
             _run_child(request)
-        sys.stdout.write(json.dumps({"pid": pid}) + "\n")
-        sys.stdout.flush()
+        answer({"pid": pid})
         _, status = os.waitpid(pid, 0)
-        sys.stdout.write(
-            json.dumps({"returncode": os.waitstatus_to_exitcode(status)})
-            + "\n"
-        )
-        sys.stdout.flush()
+        answer({"returncode": os.waitstatus_to_exitcode(status)})
 
 
 class _Server:
     """A running server and the pipes to it."""
 
     def __init__(self):
+        read, write = os.pipe()
         self.process = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__)],
+            [sys.executable, os.path.abspath(__file__), str(write)],
             stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
             text=True,
             env=dict(os.environ),
+            pass_fds=(write,),
         )
+        os.close(write)
+        # One reader of the answers, for the server's whole life.
+        self.answers = queue.Queue()
+        self.reader = threading.Thread(
+            target=self._read, args=(os.fdopen(read, encoding="utf-8"),)
+        )
+        self.reader.daemon = True
+        self.reader.start()
         if self._answer(timeout=300).get("ready") is not True:
+            self.close()
             raise RuntimeError("the prewarmed server did not start")
 
+    def _read(self, handle):
+        for line in handle:
+            self.answers.put(json.loads(line))
+        self.answers.put({})  # the server has exited
+
     def _answer(self, timeout):
-        answer = {}
-
-        def read():
-            line = self.process.stdout.readline()
-            if line:
-                answer.update(json.loads(line))
-
-        reader = threading.Thread(target=read, daemon=True)
-        reader.start()
-        reader.join(timeout)
-        return answer
+        try:
+            return self.answers.get(timeout=timeout)
+        except queue.Empty:
+            return {}
 
     def alive(self):
         return self.process.poll() is None
 
     def run(self, request, timeout):
+        """Runs one request; returns its exit code. A timeout or a broken
+        exchange kills the program and the server (the next request starts
+        a new one)."""
         self.process.stdin.write(json.dumps(request) + "\n")
         self.process.stdin.flush()
         pid = self._answer(timeout=60).get("pid")
         if pid is None:
+            self.close()
             raise RuntimeError("the prewarmed server did not fork")
         answer = self._answer(timeout)
         if "returncode" not in answer:
@@ -155,7 +188,7 @@ class _Server:
                 os.killpg(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-            self._answer(timeout=60)
+            self.close()
             raise subprocess.TimeoutExpired(request["argv"], timeout)
         return answer["returncode"]
 
@@ -239,4 +272,4 @@ def run_code(code, cwd, timeout=600):
 atexit.register(_close)
 
 if __name__ == "__main__":
-    _serve()
+    _serve(int(sys.argv[1]))

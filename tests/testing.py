@@ -35,15 +35,16 @@ _ALL_MODES = {
 # Keras' PyTorch trainer runs several steps per call from Keras 3.16.
 TORCH_LOOPS = BACKEND == "torch" and keras_at_least((3, 16))
 #
-# A test sweeps eager and the most demanding compiled mode (an XLA-compiled
-# loop of several steps); a test of what a batch-level callback sees sweeps
-# eager and the compiled single step (`graph_fn` on TensorFlow, `jit` on
-# JAX). The parity tests of keras.Model's step (`train_step_test.py`,
-# `keras_parity_test.py`) sweep them all (`ALL_EXECUTION_MODES`). Until
-# 2026-11-29 every test swept all three of its backend's modes, and the
-# suite took over 60 minutes.
+# A test sweeps two modes: on TensorFlow the `tf.function` step (what
+# `jit_compile="auto"` gives on a CPU and under `tf.distribute`) and the
+# XLA-compiled loop of several steps; on JAX eager and the jitted loop. A
+# test of what a batch-level callback sees sweeps eager and the compiled
+# single step (`graph_fn` on TensorFlow, `jit` on JAX), and the step's
+# parity tests (`train_step_test.py`) all three (`ALL_EXECUTION_MODES`).
+# Until 2026-11-29 every test swept all three of its backend's modes, and
+# the suite took over 60 minutes.
 _MODES_OF = {
-    "tensorflow": ("eager", "jit_steps_per_execution"),
+    "tensorflow": ("graph_fn", "jit_steps_per_execution"),
     "jax": ("eager", "jit_steps_per_execution"),
     "torch": ("eager", "steps_per_execution") if TORCH_LOOPS else ("eager",),
 }

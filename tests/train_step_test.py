@@ -147,11 +147,12 @@ class TrainStepParityTest(testing.TestCase):
 
     @parameterized.named_parameters(*testing.ALL_EXECUTION_MODES)
     def test_a_fit_stopped_mid_epoch_then_resumed_trains_as_keras(self, mode):
-        """A callback stops the first fit after its third batch; a second
-        fit trains on. With the step's own state (`skip_nonfinite=True`:
-        the consecutive-skip counter) written back when a fit stops early,
-        the mixin model ends as keras.Model does (on JAX Keras 3.16 renamed
-        the write-back of the state, `state_sync`)."""
+        """A callback stops the first fit early (after its third batch, or
+        at the end of the call that ran it); a second fit trains on from
+        there. The mixin model, with state of the step's own
+        (`skip_nonfinite=True`), ends as keras.Model does: its state is
+        written back when a fit stops early (on JAX, Keras 3.16 renamed the
+        write-back, `state_sync`, which custom_fit overrides)."""
         x, y = testing.classification_data()
 
         class StopAfterThirdBatch(keras.callbacks.Callback):

@@ -20,7 +20,8 @@ from tests import testing
 ray = pytest.importorskip("ray", reason="needs the `ray` extra")
 
 _EXAMPLE = os.path.join(testing.EXAMPLES_DIR, "ray_train.py")
-_TIMEOUT = 540  # seconds for a whole Ray run, its workers included
+_TIMEOUT = 900  # seconds for a whole Ray run, its workers included (a
+# restart starts a second worker group; under a loaded CI, minutes)
 
 
 def run(*flags):

@@ -72,7 +72,11 @@ _DIRECTORY = os.path.dirname(os.path.abspath(__file__))
 
 
 def save_checkpoint(directory, model, history):
-    """Writes the weights, the optimizer's variables and the logs so far."""
+    """Writes the weights, the optimizer's variables and the logs so far.
+
+    Enough for this MLP; a model with random layers (dropout) would also
+    keep their seed generators' state to resume bit for bit.
+    """
     import numpy as np
 
     np.savez(os.path.join(directory, "weights.npz"), *model.get_weights())

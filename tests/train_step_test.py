@@ -150,9 +150,11 @@ class TrainStepParityTest(testing.TestCase):
         """A callback stops the first fit early (after its third batch, or
         at the end of the call that ran it); a second fit trains on from
         there. The mixin model, with state of the step's own
-        (`skip_nonfinite=True`), ends as keras.Model does: its state is
-        written back when a fit stops early (on JAX, Keras 3.16 renamed the
-        write-back, `state_sync`, which custom_fit overrides)."""
+        (`skip_nonfinite=True`), ends as keras.Model does, weights and
+        logs. (Parity only: the JAX state write-back that Keras 3.16
+        renamed, `state_sync`, is not seen by it when its override is
+        removed; the skip limit's own stop is tested in
+        skip_nonfinite_test.py.)"""
         x, y = testing.classification_data()
 
         class StopAfterThirdBatch(keras.callbacks.Callback):

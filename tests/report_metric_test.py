@@ -47,7 +47,7 @@ class ReportMetricTest(testing.TestCase):
     @parameterized.named_parameters(*testing.EXECUTION_MODES)
     def test_mean_in_history_and_validation(self, mode):
         """A reported mean is the batch-weighted epoch mean, with a val_
-        twin, in every execution mode."""
+        twin, in each mode of `EXECUTION_MODES`."""
         x, y = testing.classification_data(samples=40)
         model = compiled(testing.mlp(Reporter), **mode)
         history = model.fit(

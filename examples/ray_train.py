@@ -33,7 +33,6 @@ with the same logs.
 import contextlib
 import json
 import os
-import sys
 import tempfile
 import time
 
@@ -179,7 +178,6 @@ def train_loop(config):
     checkpoint = None
     if config["ray"]:
         checkpoint = ray.train.get_checkpoint()  # Ray restarted the run
-    restarted = checkpoint
     resume_from = config["resume_from"]
     if checkpoint is not None:
         with checkpoint.as_directory() as directory, scope():
@@ -233,11 +231,14 @@ def train_loop(config):
                     # Every worker reports (a barrier); Ray copies the
                     # checkpoint into the run's storage before returning.
                     ray.train.report(
-                        {"epoch": epoch + 1, **history_at(history, -1)},
+                        {
+                            "epoch": epoch + 1,
+                            **{k: v[-1] for k, v in history.items()},
+                        },
                         checkpoint=checkpoint,
                     )
                 crash = config["crash_after_epoch"] == epoch + 1
-                if crash and rank == 0 and restarted is None:
+                if crash and rank == 0:
                     # Once: a run restarted without the checkpoint (one Ray
                     # had not collected) does not die again.
                     marker = os.path.join(config["storage"], "crashed")
@@ -267,11 +268,6 @@ def train_loop(config):
         save_checkpoint(directory, model, history)
     if rank == 0 and not config["plain"]:
         print(f"gradient norms of the last step: {model.gradient_norms}")
-
-
-def history_at(history, index):
-    """Returns each log's value at `index` of the epochs."""
-    return {key: values[index] for key, values in history.items()}
 
 
 def trainer_for(backend, config, workers, storage):
@@ -349,8 +345,6 @@ def main(argv):
         result = trainer_for(backend, config, _WORKERS.value, storage).fit()
     finally:
         ray.shutdown()
-    if result.error is not None:
-        sys.exit(f"error: the Ray run failed: {result.error}")
     print(f"final logs: {result.metrics}")
     if result.checkpoint is not None:
         print(f"checkpoint: {result.checkpoint.path}")

@@ -21,6 +21,7 @@ own (`env` different from this process's), or whose code changes
 """
 
 import atexit
+import gc
 import json
 import os
 import queue
@@ -115,6 +116,11 @@ def _serve(answers):
     """The server: one request per line on stdin, one answer per line on
     the file descriptor `answers` (stdout is left to what imports print)."""
     _imports()
+    # What the imports made is frozen (kept out of garbage collections) in
+    # every child: a program's collections walk only what it made, and the
+    # fork shares those pages instead of copying them.
+    gc.collect()
+    gc.freeze()
     out = os.fdopen(answers, "w", encoding="utf-8")
 
     def answer(message):

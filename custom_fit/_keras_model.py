@@ -249,10 +249,14 @@ class KerasModel(_ModelBase):
         out the figures of one step (`grad_norm_step`), and the progress
         bar shows the logs `progress_bar_logs` selects. On PyTorch, a
         `DataLoader` whose sampler has `set_epoch` (a
-        `DistributedSampler`) is told each epoch's index before the epoch,
-        and over several processes Keras' writing callbacks
-        (`ModelCheckpoint`, `CSVLogger`, `TensorBoard`) run in the first
-        process only (every process holds the same model and logs).
+        `DistributedSampler`) is told each epoch's index before the epoch.
+        Over several processes (PyTorch's, JAX's under a
+        `keras.distribution`, TensorFlow's workers) files are written once:
+        Keras' writing callbacks (`ModelCheckpoint`, `CSVLogger`,
+        `TensorBoard`) and those whose `writes_files` says so write the
+        user's paths from the first process only (every process holds the
+        same model and logs), and `BackupAndRestore` restores in every
+        process.
 
         Where several processes each feed their share of every global batch
         (`torch.distributed`, or JAX under a `keras.distribution`), they
@@ -283,7 +287,7 @@ class KerasModel(_ModelBase):
             _fit_data.fit_batches(arguments), x, shuffled
         )
         if _fit_data.is_sampler(x):
-            backend.current().check_sampler(x)
+            backend.current().check_sampler(self, x)
             # Its batches are independent draws: in order by default, so
             # one process trains on the batches several processes do.
             arguments.setdefault("shuffle", False)
@@ -292,7 +296,7 @@ class KerasModel(_ModelBase):
         if not isinstance(callbacks, keras.callbacks.CallbackList):
             arguments["callbacks"] = self._fit_callbacks(
                 backend.current().fit_callbacks(
-                    list(callbacks or []), arguments.get("x")
+                    self, list(callbacks or []), arguments.get("x")
                 ),
                 arguments.get("verbose", "auto"),
             )

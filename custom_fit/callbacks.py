@@ -19,6 +19,7 @@ import numpy as np
 
 from custom_fit import _model_state
 from custom_fit import _validation
+from custom_fit import backend
 from custom_fit import privacy
 from custom_fit._types import Logs
 
@@ -81,6 +82,10 @@ class GradientNormHistory(keras.callbacks.Callback):
 
     The picture people look at for vanishing and exploding gradients: one
     line per layer, gradient norm against training step, on a log scale.
+
+    Over several processes (every one holding the same figures), `to_csv`
+    and `plot` write from the first only and do nothing in the others, so
+    every process can run the same code.
 
     Successive fits of the same model add to one history: its steps are the
     optimizer's update counts, which go on from fit to fit while the model
@@ -151,12 +156,20 @@ class GradientNormHistory(keras.callbacks.Callback):
         for layer, history in self.norms.items():
             history.append(norms.get(layer, math.nan))
 
+    def _writes(self) -> bool:
+        """Whether this process writes: alone, or the first of several."""
+        model = self._recorded() if self._recorded is not None else None
+        return model is None or backend.current().writes_files(model)
+
     def to_csv(self, path: str | os.PathLike[str]) -> None:
         """Writes `step,<layer>,...` rows, one per recorded step.
 
         Args:
-            path: String. The file to write.
+            path: String. The file to write (by the first of several
+                processes only).
         """
+        if not self._writes():
+            return
         layers = list(self.norms)
         with open(path, "w", newline="") as handle:
             writer = csv.writer(handle)
@@ -182,6 +195,8 @@ class GradientNormHistory(keras.callbacks.Callback):
         Raises:
             ImportError: If matplotlib is not installed.
         """
+        if not self._writes():
+            return
         try:
             import matplotlib.backends.backend_agg
             import matplotlib.figure
@@ -213,8 +228,9 @@ class GradientTensorBoard(keras.callbacks.Callback):
     built with `keep_gradients=True`). Events go to `<log_dir>/train`, next
     to what `keras.callbacks.TensorBoard` writes there; the writer is
     created at the first write, so a run that logs nothing leaves no file.
-    Over several `torch.distributed` processes `fit` runs it in the first
-    only (`writes_files`: the figures are the same in all).
+    Over several processes `fit` writes its events from the first only
+    (`writes_files`: the figures are the same in all; on JAX and
+    TensorFlow the others write into a scratch directory).
 
     Args:
         log_dir: String or `os.PathLike`. The TensorBoard log directory.
@@ -241,8 +257,9 @@ class GradientTensorBoard(keras.callbacks.Callback):
     ```
     """
 
-    # Run by the first of several processes only (see `fit`).
-    writes_files = True
+    # Where it writes: the first of several processes writes there (see
+    # `fit`).
+    writes_files = "log_dir"
 
     def __init__(
         self,

@@ -1,6 +1,7 @@
 """JAX over two processes on 127.0.0.1: keras.distribution, CPU gloo."""
 
 import concurrent.futures
+import functools
 import os
 import tempfile
 
@@ -24,6 +25,31 @@ _PRIVATE = os.path.join(
 )
 _LAYERS = ("hidden_1", "hidden_2", "logits")
 _TIMEOUT = 420  # seconds for the whole run, processes included
+
+
+@functools.cache
+def _private_runs():
+    """Runs jax_private_processes.py in two processes, then in one.
+
+    Returns:
+        The output directory, and the arrays each run saved by label.
+    """
+    output_dir = tempfile.mkdtemp()
+    env = dict(os.environ, KERAS_BACKEND="jax")
+    env.pop("XLA_FLAGS", None)  # one device per process
+    for count in (2, 1):
+        testing.run_bounded(
+            _PRIVATE,
+            f"--processes={count}",
+            f"--output_dir={output_dir}",
+            "--timeout=360",
+            timeout=_TIMEOUT,
+            env=env,
+        )
+    return output_dir, {
+        label: dict(np.load(os.path.join(output_dir, f"{label}.npz")))
+        for label in ("process_0", "process_1", "single")
+    }
 
 
 @pytest.mark.jax
@@ -80,22 +106,7 @@ class JaxMultiProcessTest(testing.TestCase):
         draws."""
         from tests.privacy_test import dp_accounting_epsilon
 
-        output_dir = tempfile.mkdtemp()
-        env = dict(os.environ, KERAS_BACKEND="jax")
-        env.pop("XLA_FLAGS", None)  # one device per process
-        for count in (2, 1):
-            testing.run_bounded(
-                _PRIVATE,
-                f"--processes={count}",
-                f"--output_dir={output_dir}",
-                "--timeout=360",
-                timeout=_TIMEOUT,
-                env=env,
-            )
-        saved = {
-            label: dict(np.load(os.path.join(output_dir, f"{label}.npz")))
-            for label in ("process_0", "process_1", "single")
-        }
+        _, saved = _private_runs()
         single = saved["single"]
         expected = [
             dp_accounting_epsilon(4 * epochs, 32 / 119, 1.0, 1e-3)
@@ -157,6 +168,20 @@ class JaxMultiProcessTest(testing.TestCase):
             [saved[f"process_{i}"]["rows"] for i in (0, 1)],
             single["taken"],
             rate=0.1,
+        )
+
+    def test_files_are_written_once(self):
+        """Keras' writing callbacks, `GradientTensorBoard`,
+        `GradientNormHistory.to_csv` and `BackupAndRestore`, given to both
+        processes (the private script's last runs): process 0 writes what
+        one process writes, process 1 nothing (every process runs the
+        callbacks: Keras' state sync before a save is collective), and a
+        run resumed from the backup ends where one process ends."""
+        from tests.scripts import files_once
+
+        output_dir, saved = _private_runs()
+        testing.check_files_written_once(
+            self, output_dir, saved, files_once.Net
         )
 
     def test_model_parallel_reads_agree_across_processes(self):

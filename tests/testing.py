@@ -765,3 +765,91 @@ def assert_one_poisson_draw(test, taken, rows, single, rate):
     )
     ratio = sizes.var(ddof=1) / spread
     test.assertLess(abs(ratio - 1), 4 * np.sqrt(2 / (steps - 1)))
+
+
+def check_files_written_once(test, output_dir, saved, model_class):
+    """Checks the runs of tests/scripts/files_once.py over two processes.
+
+    Args:
+        test: The `TestCase`.
+        output_dir: String. Where the runs wrote.
+        saved: Dict of label (`process_0`, `process_1`, `single`) to the
+            arrays the run saved.
+        model_class: The model class of the checkpoint (`files_once.Net`).
+
+    The first process writes what one process writes (CSV rows, gradient
+    norms, TensorBoard events, all within 1e-6), its checkpoint loads with
+    the final weights, the second process writes nothing at its paths, every
+    callback keeps the path it was given, and a `BackupAndRestore` run
+    resumes both processes for the last 2 of 4 epochs, ends where one
+    process ends and removes the backup.
+    """
+    from tensorboard.util import tensor_util
+
+    from tests.callbacks_test import event_tags
+
+    single = saved["single"]
+    for label in ("process_0", "process_1"):
+        for key, value in single.items():
+            if key.startswith(("files/", "backup/")):
+                test.assertAllClose(
+                    saved[label][key], value, atol=1e-6, rtol=0, msg=key
+                )
+    test.assertEqual(float(single["files/paths_kept"]), 1)
+    test.assertEqual(float(single["backup/epochs_run"]), 2)
+    test.assertEqual(float(single["backup/removed"]), 1)
+    for name in os.listdir(output_dir):
+        test.assertNotIn("process_1", name.replace("process_1.npz", ""))
+
+    def path(kind, label):
+        names = {
+            "checkpoint": f"checkpoint_{label}.keras",
+            "csv": f"log_{label}.csv",
+            "norms": f"norms_{label}.csv",
+            "events": os.path.join(f"gtb_{label}", "train"),
+            "keras_events": os.path.join(f"tb_{label}", "train"),
+        }
+        return os.path.join(output_dir, names[kind])
+
+    for kind in ("csv", "norms"):
+        rows = {
+            label: np.genfromtxt(
+                path(kind, label), delimiter=",", names=True
+            )
+            for label in ("process_0", "single")
+        }
+        test.assertEqual(
+            rows["process_0"].dtype.names, rows["single"].dtype.names
+        )
+        test.assertGreaterEqual(len(rows["single"]), 2)
+        for name in rows["single"].dtype.names:
+            test.assertAllClose(
+                rows["process_0"][name], rows["single"][name], atol=1e-6
+            )
+    norms = {}
+    for label in ("process_0", "single"):
+        accumulator, tags = event_tags(path("events", label))
+        test.assertEqual(
+            tags, {"grad_norm_step/hidden", "grad_norm_step/logits"}
+        )
+        norms[label] = [
+            (e.step, float(tensor_util.make_ndarray(e.tensor_proto)))
+            for e in accumulator.Tensors("grad_norm_step/hidden")
+        ]
+        test.assertTrue(os.listdir(path("keras_events", label)))
+    test.assertEqual(
+        [s for s, _ in norms["process_0"]], [s for s, _ in norms["single"]]
+    )
+    test.assertAllClose(
+        [v for _, v in norms["process_0"]],
+        [v for _, v in norms["single"]],
+        atol=1e-6,
+    )
+    loaded = keras.saving.load_model(
+        path("checkpoint", "process_0"),
+        custom_objects={"Net": model_class},
+    )
+    for i, weight in enumerate(loaded.get_weights()):
+        test.assertAllClose(
+            weight, saved["process_0"][f"files/weight_{i}"], atol=0, rtol=0
+        )

@@ -151,12 +151,13 @@ class Adapter(Protocol):
         """
         ...
 
-    def check_sampler(self, sampler: Any) -> None:
+    def check_sampler(self, model: Any, sampler: Any) -> None:
         """Raises where the backend would not feed a sampler's draws whole.
 
-        `tf.distribute` over several workers splits the batches itself,
-        each worker reading its own sampler: the workers' draws would not
-        make one draw per step.
+        `tf.distribute` over several workers (the strategy `model` was made
+        under, or the one in scope) splits the batches itself, each worker
+        reading its own sampler: the workers' draws would not make one draw
+        per step.
         """
         ...
 
@@ -241,11 +242,25 @@ class Adapter(Protocol):
         """
         ...
 
-    def fit_callbacks(self, callbacks: list[Any], x: Any) -> list[Any]:
-        """The callbacks `fit` runs, from the user's and its data `x`.
+    def fit_callbacks(
+        self, model: Any, callbacks: list[Any], x: Any
+    ) -> list[Any]:
+        """The callbacks `model.fit` runs, from the user's and its data `x`.
 
-        Over several PyTorch processes: a sampler's `set_epoch` added, and
-        Keras' writing callbacks kept in the first process only.
+        Over several processes (PyTorch's, JAX's under a distribution,
+        TensorFlow's workers) the files are written once (`_writers`: the
+        writing callbacks in the first process only, or in every process
+        with the others' files in a scratch directory; `BackupAndRestore`
+        restoring everywhere). On PyTorch, a sampler's `set_epoch` added.
+        """
+        ...
+
+    def writes_files(self, model: Any) -> bool:
+        """Whether this process writes the run's files.
+
+        True in one process, and in the first of several that train
+        `model` together (PyTorch's rank 0, JAX's process 0, TensorFlow's
+        chief worker).
         """
         ...
 

@@ -43,9 +43,9 @@ def normal(shape: Sequence[int], dtype: str, seeds: Any) -> Any:
     return keras.random.normal(shape, dtype=dtype, seed=seeds)
 
 
-def check_sampler(sampler: Any) -> None:
+def check_sampler(model: Any, sampler: Any) -> None:
     """Does nothing: each process feeds its share of one draw itself."""
-    del sampler
+    del model, sampler
 
 
 def noisy(

@@ -30,12 +30,6 @@ def gather_from_processes(values: Sequence[int]) -> np.ndarray:
     return np.asarray([list(values)], np.int64)
 
 
-def fit_callbacks(callbacks: list[Any], x: Any) -> list[Any]:
-    """Returns `callbacks`: the data and the processes need no other."""
-    del x
-    return callbacks
-
-
 def forward(
     model: Any, call: Callable[..., Any], x: Any, training: bool
 ) -> Any:

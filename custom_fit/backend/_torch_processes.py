@@ -44,6 +44,8 @@ import keras
 import numpy as np
 import torch
 
+from custom_fit.backend import _writers
+
 _LOCAL = threading.local()
 # State variables whose value is the same in every process (a "last
 # value"): their logs take the first
@@ -63,6 +65,12 @@ def world_size() -> int:
 
 def _rank() -> int:
     return torch.distributed.get_rank()
+
+
+def writes_files(model: Any) -> bool:
+    """Whether this process writes: alone, or the first of the group."""
+    del model
+    return world_size() == 1 or _rank() == 0
 
 
 def mark_not_summed(variable: Any) -> None:
@@ -251,81 +259,24 @@ class _SamplerEpoch(keras.callbacks.Callback):
         self.sampler.set_epoch(epoch)
 
 
-# Keras' callbacks that write files: run by the first process only.
-class _SharedBackup(keras.callbacks.Callback):
-    """A `BackupAndRestore` shared by the processes.
-
-    Every process restores the backup at the start of training (the
-    weights, and the epoch to resume from, so every process runs the same
-    epochs), then waits for the others (a barrier); only the first process
-    (`writes`) saves and deletes it. The barrier keeps the first process
-    from saving or deleting before every process has read, even when a
-    resumed run has no epoch left.
-    """
-
-    def __init__(self, backup: Any, writes: bool) -> None:
-        super().__init__()
-        self.backup = backup
-        self.writes = writes
-
-    def set_model(self, model: Any) -> None:
-        super().set_model(model)
-        self.backup.set_model(model)
-
-    def set_params(self, params: Any) -> None:
-        super().set_params(params)
-        self.backup.set_params(params)
-
-    def on_train_begin(self, logs: Any = None) -> None:
-        self.backup.on_train_begin(logs)
-        torch.distributed.barrier()
-
-    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
-        if self.writes:
-            self.backup.on_epoch_end(epoch, logs)
-
-    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
-        if self.writes:
-            self.backup.on_train_batch_end(batch, logs)
-
-    def on_train_end(self, logs: Any = None) -> None:
-        if self.writes:
-            self.backup.on_train_end(logs)
-
-
-_WRITERS = (
-    keras.callbacks.ModelCheckpoint,
-    keras.callbacks.CSVLogger,
-    keras.callbacks.TensorBoard,
-)
-
-
-def fit_callbacks(callbacks: list[Any], x: Any) -> list[Any]:
+def fit_callbacks(model: Any, callbacks: list[Any], x: Any) -> list[Any]:
     """Returns the callbacks `fit` runs.
 
     For a `DataLoader` whose sampler has `set_epoch`, one is added that
     calls it before each epoch: a `DistributedSampler` then shuffles each
     epoch differently, the same way in every process. Over several
-    processes, Keras' writing callbacks (`ModelCheckpoint`, `CSVLogger`,
-    `TensorBoard`), and any callback whose `writes_files` is true (custom_fit's
-    `GradientTensorBoard`), are left out in all but the first: every
-    process holds the same model and logs, and one copy of each file is
-    written.
-    `BackupAndRestore` saves in the first process only, and restores in
-    every process (each must resume from the same epoch).
+    processes, the writing callbacks run in the first only (every process
+    holds the same model and logs; reading them is local) and
+    `BackupAndRestore` restores in every process (`_writers`).
     """
+    del model
     if world_size() > 1:
-        first = _rank() == 0
-        callbacks = [
-            _SharedBackup(c, writes=first)
-            if isinstance(c, keras.callbacks.BackupAndRestore)
-            else c
-            for c in callbacks
-            if first
-            or not (
-                isinstance(c, _WRITERS) or getattr(c, "writes_files", False)
-            )
-        ]
+        callbacks = _writers.written_once(
+            callbacks,
+            first=_rank() == 0,
+            barrier=torch.distributed.barrier,
+            everywhere=False,
+        )
     sampler = getattr(x, "sampler", None)
     if isinstance(x, torch.utils.data.DataLoader) and hasattr(
         sampler, "set_epoch"

@@ -52,6 +52,7 @@ from jax.sharding import PartitionSpec
 from keras import ops
 
 from custom_fit.backend import _stateless
+from custom_fit.backend import _writers
 from custom_fit.backend._dense import add_noise as _add_noise_each
 from custom_fit.backend._dense import add_to  # noqa: F401
 from custom_fit.backend._dense import all_reduce_sum  # noqa: F401
@@ -78,7 +79,6 @@ from custom_fit.backend._dense import scaled  # noqa: F401
 from custom_fit.backend._dense import squared_sums  # noqa: F401
 from custom_fit.backend._dense import summed_count  # noqa: F401
 from custom_fit.backend._dense import unaliased  # noqa: F401
-from custom_fit.backend._global_data import fit_callbacks  # noqa: F401
 from custom_fit.backend._global_data import forward  # noqa: F401
 from custom_fit.backend._global_data import summed_results  # noqa: F401
 from custom_fit.backend._stateless import collected  # noqa: F401
@@ -594,6 +594,46 @@ def data_shards() -> tuple[int, int]:
     shares = sorted({tuple(sorted(p)) for p in positions.values()})
     mine = tuple(sorted(positions.get(jax.process_index(), ())))
     return len(shares), shares.index(mine) if mine in shares else 0
+
+
+def _several_processes() -> bool:
+    """Whether processes train one model: several, under a distribution."""
+    return (
+        jax.process_count() > 1
+        and keras.distribution.distribution() is not None
+    )
+
+
+def writes_files(model: Any) -> bool:
+    """Whether this process writes: alone, or the first of several."""
+    del model
+    return not _several_processes() or jax.process_index() == 0
+
+
+def fit_callbacks(model: Any, callbacks: list[Any], x: Any) -> list[Any]:
+    """Returns the callbacks `fit` runs.
+
+    Over several processes under a `keras.distribution`, the writing
+    callbacks run in every process (Keras' state sync before a save or a
+    read of the model checks that the processes agree: each must join), the
+    first writing the user's files and the others into a scratch directory;
+    `BackupAndRestore` restores in every process (`_writers`).
+    """
+    del x
+    if not _several_processes():
+        return callbacks
+
+    def barrier() -> None:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("custom_fit: backup restored")
+
+    return _writers.written_once(
+        callbacks,
+        first=writes_files(model),
+        barrier=barrier,
+        everywhere=True,
+    )
 
 
 def _process_of(device: Any) -> int:

@@ -20,8 +20,8 @@ import numpy as np
 import tensorflow as tf
 
 from custom_fit.backend import _dense
+from custom_fit.backend import _writers
 from custom_fit.backend._global_data import data_shards  # noqa: F401
-from custom_fit.backend._global_data import fit_callbacks  # noqa: F401
 from custom_fit.backend._global_data import forward  # noqa: F401
 from custom_fit.backend._global_data import gather_from_processes  # noqa: F401
 from custom_fit.backend._global_data import summed_results  # noqa: F401
@@ -127,12 +127,28 @@ def secret_seeds(seed: int | None) -> Any:
     return keras.random.SeedGenerator(seed)
 
 
-def check_sampler(sampler: Any) -> None:
-    """Raises for a sampler under `tf.distribute` over several workers."""
-    strategy = tf.distribute.get_strategy()
+def _workers(strategy: Any) -> int:
+    """The number of `tf.distribute` workers `strategy` spans."""
     resolver = getattr(strategy, "cluster_resolver", None)
     spec = resolver.cluster_spec().as_dict() if resolver is not None else {}
-    workers = len(spec.get("worker", ())) + len(spec.get("chief", ()))
+    return max(1, len(spec.get("worker", ())) + len(spec.get("chief", ())))
+
+
+def _strategy_of(model: Any) -> Any:
+    """The strategy `model` was made under, else the one in scope."""
+    strategy = getattr(model, "distribute_strategy", None)
+    return strategy if strategy is not None else tf.distribute.get_strategy()
+
+
+def check_sampler(model: Any, sampler: Any) -> None:
+    """Raises for a sampler under `tf.distribute` over several workers.
+
+    The workers are counted from the strategy the model was made under,
+    whether or not `fit` runs in its scope.
+    """
+    workers = max(
+        _workers(_strategy_of(model)), _workers(tf.distribute.get_strategy())
+    )
     if workers > 1:
         raise ValueError(
             f"A {type(sampler).__name__} cannot be fed over several "
@@ -143,6 +159,45 @@ def check_sampler(sampler: Any) -> None:
             "or PyTorch processes, where each process feeds its share of "
             "one draw."
         )
+
+
+def writes_files(model: Any) -> bool:
+    """Whether this worker writes: alone, or the chief of several.
+
+    The chief is the worker `tf.distribute` checkpoints from
+    (`strategy.extended.should_checkpoint`: the `chief` task, else worker
+    0).
+    """
+    strategy = _strategy_of(model)
+    return _workers(strategy) == 1 or bool(strategy.extended.should_checkpoint)
+
+
+def fit_callbacks(model: Any, callbacks: list[Any], x: Any) -> list[Any]:
+    """Returns the callbacks `fit` runs.
+
+    Over several `tf.distribute` workers, the writing callbacks run in
+    every worker (saving reads the synchronized variables, an all-reduce
+    each worker must join), the chief writing the user's files and the
+    others into a scratch directory; `BackupAndRestore` restores in every
+    worker (`_writers`).
+    """
+    del x
+    strategy = _strategy_of(model)
+    if _workers(strategy) == 1:
+        return callbacks
+
+    def barrier() -> None:
+        # An all-reduce of one number: returns once every worker joined.
+        strategy.reduce(
+            "SUM", strategy.run(lambda: tf.constant(1.0)), axis=None
+        )
+
+    return _writers.written_once(
+        callbacks,
+        first=writes_files(model),
+        barrier=barrier,
+        everywhere=True,
+    )
 
 
 def compiled(function: Callable[..., Any]) -> Callable[..., Any]:

@@ -71,6 +71,7 @@ from custom_fit.backend._torch_processes import gather_from_processes  # noqa: F
 from custom_fit.backend._torch_processes import on_first_replica  # noqa: F401
 from custom_fit.backend._torch_processes import summed_count  # noqa: F401
 from custom_fit.backend._torch_processes import summed_results  # noqa: F401
+from custom_fit.backend._torch_processes import writes_files  # noqa: F401
 
 
 def _parameter(variable: Any) -> Any:

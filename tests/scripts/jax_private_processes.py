@@ -12,10 +12,12 @@ process makes the same sampler (the whole data set, the same seed) and
 feeds its share of every draw. `--processes=1` trains in one process
 without any distribution (the oracle). Each run saves the final weights,
 the epsilon logged by `PrivacyBudget`, the shares of 500 draws of a
-second sampler, and whether the configurations that cannot be accounted
-are refused, to `DIR/<label>.npz` (`process_<i>` or `single`).
+second sampler, whether the configurations that cannot be accounted
+are refused, and the results of the writing callbacks' runs
+(`files_once.py`), to `DIR/<label>.npz` (`process_<i>` or `single`).
 """
 
+import contextlib
 import dataclasses
 import os
 import sys
@@ -204,6 +206,30 @@ def train(process, processes, label):
             rows.append(len(weights))
     saved["taken"] = np.stack(taken)
     saved["rows"] = np.asarray(rows)
+
+    # The writing callbacks (tests/scripts/files_once.py) on 96 examples:
+    # each process feeds its rows of every global batch of 32.
+    import files_once
+
+    def barrier():
+        if processes > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("files_once")
+
+    saved.update(
+        files_once.run(
+            {
+                "x": x[:96][process::processes],
+                "y": y[:96][process::processes],
+                "batch_size": BATCH // processes,
+            },
+            _OUTPUT_DIR.value,
+            label,
+            contextlib.nullcontext,
+            barrier,
+        )
+    )
     np.savez(os.path.join(_OUTPUT_DIR.value, f"{label}.npz"), **saved)
 
 

@@ -525,8 +525,28 @@ class PassesTest(testing.TestCase):
 
     def test_a_fit_of_one_and_a_half_passes_begins_two(self):
         """One fit of 3 epochs of 2 steps (4 a pass): after each epoch 1,
-        1 and 2 passes begun; then a fit of 2 steps begins a third."""
+        1 and 2 passes begun; then a fit of 2 steps begins a third. The
+        canary (noise off) never counts an example in more updates than
+        the passes accounted, whichever order the shuffles take (Keras
+        3.16 seeds each epoch's shuffle by its index)."""
         ids, targets = canary_data(64)
+        canary = canary_model(64)
+        canary.compile(optimizer=keras.optimizers.SGD(1.0), loss="mse")
+        record = TableAfterEachCall()
+        for epochs in (3, 1):
+            canary.fit(
+                ids,
+                targets,
+                batch_size=16,
+                steps_per_epoch=2,
+                epochs=epochs,
+                verbose=0,
+                callbacks=[record],
+            )
+        entries = np.round(entries_per_update(record, 16))
+        self.assertLen(entries, 8)
+        for steps, passes in ((2, 1), (4, 1), (6, 2), (8, 3)):
+            self.assertLessEqual(entries[:steps].sum(axis=0).max(), passes)
         model = canary_model(64, noise_multiplier=1.0)
         model.compile(optimizer="sgd", loss="mse")
         budget = custom_fit.callbacks.PrivacyBudget(

@@ -64,6 +64,23 @@ def sequential_mlp(model_class):
 sequential_mlp.classes = (keras.Sequential, SequentialNet)
 
 
+def frozen_normalization_mlp(model_class):
+    """A functional MLP whose `BatchNormalization` was called with
+    `training=False` at construction (a frozen layer of fine-tuning): from
+    Keras 3.16 that fixed argument wins over the step's `training=True`,
+    before it the call's did; either way as Keras' own step."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Dense(8, activation="relu")(inputs)
+    hidden = keras.layers.BatchNormalization(name="frozen")(
+        hidden, training=False
+    )
+    return model_class(inputs, keras.layers.Dense(3)(hidden))
+
+
+frozen_normalization_mlp.classes = (keras.Model, Net)
+
+
 class PlainSubclassed(keras.Model):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -183,10 +200,14 @@ class TrainStepParityTest(testing.TestCase):
         self.assertSameTraining(results)
 
     @parameterized.named_parameters(
-        ("sequential", sequential_mlp), ("subclassed", subclassed_mlp)
+        ("sequential", sequential_mlp),
+        ("subclassed", subclassed_mlp),
+        ("frozen_normalization", frozen_normalization_mlp),
     )
     def test_same_as_keras_for_other_model_kinds(self, make_model):
-        """Sequential and subclassed bases train like their plain class."""
+        """Sequential and subclassed bases, and a layer called with
+        `training=False` at construction, train like their plain class
+        (weights and moving statistics)."""
         x, y = testing.classification_data()
         pair = fit_pair(
             make_model,

@@ -126,6 +126,36 @@ _SAMPLER_FIGURES = ("data", "num_examples", "stream", "batch_size", "epoch")
 _SEED_CHUNKS = 5
 
 
+def check_not_auto_sharded(x: Any) -> None:
+    """Raises for a sampler that Keras would shard across processes.
+
+    Over several processes each one feeds its share of every draw of the
+    same sampler. With the distribution's `auto_shard_dataset` on, Keras
+    3.16 deals a `PyDataset`'s batches to the processes by index, so a
+    global batch would join shares of different draws: two draws counted
+    as one (Keras 3.15 refuses the combination itself, with another
+    message). Does nothing in one process, or for other data.
+
+    Raises:
+        ValueError: Naming the setting and the fix.
+    """
+    if not is_sampler(x) or backend.current().data_shards()[0] == 1:
+        return
+    distribution = keras.distribution.distribution()
+    if distribution is not None and getattr(
+        distribution, "auto_shard_dataset", False
+    ):
+        raise ValueError(
+            f"A {type(x).__name__} over several processes needs "
+            "`auto_shard_dataset = False` on the distribution: each "
+            "process feeds its own share of every draw, and Keras' "
+            "sharding would deal whole batches of different draws to the "
+            "processes, making a step's global batch two draws. Received: "
+            f"{type(distribution).__name__} with auto_shard_dataset=True. "
+            "Set `distribution.auto_shard_dataset = False` before `fit`."
+        )
+
+
 def check_processes_agree(
     counts: dict[str, int | None], x: Any, shuffled: bool = False
 ) -> None:

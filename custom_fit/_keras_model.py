@@ -283,6 +283,7 @@ class KerasModel(_ModelBase):
         arguments = fit_arguments(self, args, kwargs)
         x: Any = arguments.get("x")
         shuffled = _fit_data.is_sampler(x) and bool(arguments.get("shuffle"))
+        _fit_data.check_not_auto_sharded(x)
         _fit_data.check_processes_agree(
             _fit_data.fit_batches(arguments), x, shuffled
         )

@@ -100,7 +100,8 @@ class JaxMultiProcessTest(testing.TestCase):
         logged is dp-accounting's for the sampler's rate, the shares of 500
         draws make one Poisson draw each (chi-square), samplers with a seed
         per process are refused, and so is the sampler with Keras' own
-        sharding on (`auto_shard_dataset = True`, Keras' error); without
+        sharding on (`auto_shard_dataset = True`: custom_fit's error, before
+        Keras 3.16 would deal whole batches of different draws); without
         seeds, the processes share process 0's secret ones; a canary model
         counts each example at most once per update of accumulated Poisson
         draws."""

@@ -136,8 +136,9 @@ def train(process, processes, label):
     except ValueError as error:
         assert "samplers whose seed differ" in str(error), error
         saved["refused_seed"] = np.float32(1)
-    # Keras' own sharding of the data (`auto_shard_dataset = True`) takes
-    # only a tf.data.Dataset: Keras refuses the sampler.
+    # Keras' own sharding of the data (`auto_shard_dataset = True`): Keras
+    # 3.15 takes only a tf.data.Dataset, 3.16 would deal the sampler's
+    # batches by index (two draws as one); custom_fit refuses it first.
     saved["refused_auto_shard"] = np.float32(0)
     if distribution is not None:
         distribution.auto_shard_dataset = True

@@ -77,7 +77,14 @@ class TorchDataParallelExampleTest(testing.TestCase):
             np.load(os.path.join(output_dir, f"processes_{n}.npz"))
             for n in (2, 1)
         )
-        self.assertEqual(int(two["sampler_epoch"]), 2)
+        # The sampler was told the epochs (by custom_fit up to Keras 3.15,
+        # which leaves it at the last, 2; by Keras' adapter from 3.16, which
+        # tells it one more after the last), as in one process.
+        self.assertEqual(
+            int(two["sampler_epoch"]),
+            3 if testing.keras_at_least((3, 16)) else 2,
+        )
+        self.assertEqual(int(two["sampler_epoch"]), int(one["sampler_epoch"]))
         for key in one.files:
             self.assertAllClose(two[key], one[key], atol=1e-6, rtol=0, msg=key)
 
@@ -432,6 +439,26 @@ class TorchProcessesTest(testing.TestCase):
             for label in ("process_0", "process_1"):
                 self.assertEqual(float(self.saved[label][key]), 1, key)
             self.assertEqual(float(self.saved["single"][key]), 0, key)
+
+    def test_keras_own_wrapper_wraps_every_model_from_3_16(self):
+        """From Keras 3.16 its trainer wraps every model of the processes
+        in `DistributedDataParallel` (none before, none in one process), so
+        the configurations' equality with one process is that of custom_fit
+        under Keras' own wrapper: nothing reduced twice."""
+        expected = float(testing.keras_at_least((3, 16)))
+        for label in ("process_0", "process_1", "single"):
+            own = np.load(os.path.join(self.output_dir, f"{label}_own.npz"))
+            wrapped = {
+                k: float(own[k]) for k in own.files if k.endswith("/wrapped")
+                or k.endswith("/keras_wrapped")
+            }
+            self.assertGreater(len(wrapped), 10)
+            for key, value in wrapped.items():
+                if key.startswith("keras_3_16_ddp/"):
+                    continue
+                self.assertEqual(
+                    value, expected if label != "single" else 0.0, key
+                )
 
     def test_poisson_shares_make_one_poisson_draw(self):
         """Over 500 steps of a sampler of 400 examples (q = 0.1), the

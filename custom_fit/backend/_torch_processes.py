@@ -44,6 +44,7 @@ import keras
 import numpy as np
 import torch
 
+from custom_fit.backend import _dense
 from custom_fit.backend import _writers
 
 _LOCAL = threading.local()
@@ -262,9 +263,10 @@ class _SamplerEpoch(keras.callbacks.Callback):
 def fit_callbacks(model: Any, callbacks: list[Any], x: Any) -> list[Any]:
     """Returns the callbacks `fit` runs.
 
-    For a `DataLoader` whose sampler has `set_epoch`, one is added that
-    calls it before each epoch: a `DistributedSampler` then shuffles each
-    epoch differently, the same way in every process. Over several
+    For a `DataLoader` whose sampler has `set_epoch`, up to Keras 3.15 one
+    is added that calls it before each epoch (Keras 3.16's data adapter
+    calls it itself): a `DistributedSampler` then shuffles each epoch
+    differently, the same way in every process. Over several
     processes, the writing callbacks run in the first only (every process
     holds the same model and logs; reading them is local) and
     `BackupAndRestore` restores in every process (`_writers`).
@@ -278,8 +280,10 @@ def fit_callbacks(model: Any, callbacks: list[Any], x: Any) -> list[Any]:
             everywhere=False,
         )
     sampler = getattr(x, "sampler", None)
-    if isinstance(x, torch.utils.data.DataLoader) and hasattr(
-        sampler, "set_epoch"
+    if (
+        isinstance(x, torch.utils.data.DataLoader)
+        and hasattr(sampler, "set_epoch")
+        and not _dense.keras_at_least((3, 16))  # 3.16's adapter calls it
     ):
         callbacks = [*callbacks, _SamplerEpoch(sampler)]
     return callbacks

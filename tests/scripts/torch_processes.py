@@ -641,6 +641,12 @@ def main(argv):
             saved[f"{name}/weight_{i}"] = weight
         for key, values in history.history.items():
             saved[f"{name}/history/{key}"] = np.asarray(values)
+        # Whether Keras' trainer wrapped the model in DistributedDataParallel
+        # (3.16 over a process group; the imitation's own wrapping aside).
+        own[f"{name}/keras_wrapped"] = np.float32(
+            getattr(model, "ddp_model", None) is not None
+            and name != "keras_3_16_ddp"
+        )
         if name == "keras_3_16_ddp":
             saved[f"{name}/evaluated"] = np.asarray(
                 model.evaluate(

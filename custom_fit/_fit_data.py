@@ -139,12 +139,16 @@ def check_not_auto_sharded(x: Any) -> None:
     Raises:
         ValueError: Naming the setting and the fix.
     """
-    if not is_sampler(x) or backend.current().data_shards()[0] == 1:
-        return
     distribution = keras.distribution.distribution()
-    if distribution is not None and getattr(
-        distribution, "auto_shard_dataset", False
-    ):
+    if not is_sampler(x) or distribution is None:
+        return
+    # Keras 3.16 deals batches to `num_data_shards` processes; before, a
+    # sampler never reached its sharding.
+    shards = max(
+        backend.current().data_shards()[0],
+        int(getattr(distribution, "num_data_shards", 1)),
+    )
+    if shards > 1 and getattr(distribution, "auto_shard_dataset", False):
         raise ValueError(
             f"A {type(x).__name__} over several processes needs "
             "`auto_shard_dataset = False` on the distribution: each "

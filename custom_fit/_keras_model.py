@@ -283,10 +283,10 @@ class KerasModel(_ModelBase):
         arguments = fit_arguments(self, args, kwargs)
         x: Any = arguments.get("x")
         shuffled = _fit_data.is_sampler(x) and bool(arguments.get("shuffle"))
-        _fit_data.check_not_auto_sharded(x)
         _fit_data.check_processes_agree(
             _fit_data.fit_batches(arguments), x, shuffled
         )
+        _fit_data.check_not_auto_sharded(x)
         if _fit_data.is_sampler(x):
             backend.current().check_sampler(self, x)
             # Its batches are independent draws: in order by default, so
@@ -297,7 +297,9 @@ class KerasModel(_ModelBase):
         if not isinstance(callbacks, keras.callbacks.CallbackList):
             arguments["callbacks"] = self._fit_callbacks(
                 backend.current().fit_callbacks(
-                    self, list(callbacks or []), arguments.get("x")
+                    self,
+                    list(keras.tree.flatten(callbacks or [])),
+                    arguments.get("x"),
                 ),
                 arguments.get("verbose", "auto"),
             )

@@ -124,6 +124,9 @@ class GradientNormHistory(keras.callbacks.Callback):
         self.norms: dict[str, list[float]] = {}
         # The model that `steps` and `norms` are of (a weak reference).
         self._recorded: weakref.ref[Any] | None = None
+        # Whether this process writes the files (the first of several),
+        # as told when the last fit began.
+        self._first_process = True
         # Per fit: calls of the train function, and the figures last seen.
         self._calls = 0
         self._last_mark: tuple[int, tuple[int, int]] | None = None
@@ -134,6 +137,7 @@ class GradientNormHistory(keras.callbacks.Callback):
             self.steps = []
             self.norms = {}
             self._recorded = weakref.ref(self.model)
+        self._first_process = backend.current().writes_files(self.model)
         self._calls = 0
         self._last_mark = _inspection_mark(self.model)
 
@@ -156,11 +160,6 @@ class GradientNormHistory(keras.callbacks.Callback):
         for layer, history in self.norms.items():
             history.append(norms.get(layer, math.nan))
 
-    def _writes(self) -> bool:
-        """Whether this process writes: alone, or the first of several."""
-        model = self._recorded() if self._recorded is not None else None
-        return model is None or backend.current().writes_files(model)
-
     def to_csv(self, path: str | os.PathLike[str]) -> None:
         """Writes `step,<layer>,...` rows, one per recorded step.
 
@@ -168,7 +167,7 @@ class GradientNormHistory(keras.callbacks.Callback):
             path: String. The file to write (by the first of several
                 processes only).
         """
-        if not self._writes():
+        if not self._first_process:
             return
         layers = list(self.norms)
         with open(path, "w", newline="") as handle:
@@ -195,7 +194,7 @@ class GradientNormHistory(keras.callbacks.Callback):
         Raises:
             ImportError: If matplotlib is not installed.
         """
-        if not self._writes():
+        if not self._first_process:
             return
         try:
             import matplotlib.backends.backend_agg

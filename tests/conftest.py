@@ -136,5 +136,6 @@ def pytest_runtest_teardown(item, nextitem):
     del item, nextitem
     import keras
 
-    keras.backend.clear_session()  # collects the test's garbage
+    keras.backend.clear_session()
+    gc.collect()  # the test's garbage: walks only what the test made
     gc.freeze()

@@ -122,26 +122,31 @@ CONFIGURATIONS = (
 # reorder float32 sums, and which order it picks depends on the CPU's
 # vector width. A sum of n terms reordered moves by at most about
 # n * u * (the sum of the terms' magnitudes), u = 2**-24 the unit roundoff.
+# These are first-order estimates with that bound's margin, not proofs:
+# cancellation (a sum much smaller than its terms), a batch norm's
+# 1 / sqrt(var + eps) and near-zero gradients under Adam can exceed them
+# in principle; the figures measured stay well inside (BUILD_NOTES).
 UNIT_ROUNDOFF = 2.0**-24
 # The longest chain of sums behind one number of the forward pass: a
 # logit (6 inputs, then 16 hidden units, with biases and a batch norm),
 # then a loss averaged over the 64 examples of `evaluate` or a batch:
-# under 128 terms. On the same weights, compiled and eager differ by at
-# most 128 u relative to their scale (1 + |value|): 7.6e-6.
+# under 128 terms. On the same weights, compiled and eager differ by
+# about 128 u relative to their scale (1 + |value|): 7.6e-6.
 FORWARD_TOLERANCE = 128 * UNIT_ROUNDOFF
 # Training: each of the 8 updates (2 epochs of 4 batches) moves a weight
 # by Adam's learning rate 0.01 times m / sqrt(v); a relative error r in
-# the gradients moves m / sqrt(v) by at most 2 r, and r is at most the
-# forward's bound twice over (the backward pass mirrors its sums), so a
-# weight moves by at most 8 * 0.01 * 2 * 2 * FORWARD_TOLERANCE = 2.4e-6
-# to first order (the weights' differences feeding later gradients are of
-# second order).
+# the gradients moves m / sqrt(v) by about 2 r, and r is about the
+# forward's figure twice over (the backward pass mirrors its sums), so a
+# weight moves by about 8 * 0.01 * 2 * 2 * FORWARD_TOLERANCE = 2.4e-6,
+# each update's error added once (how a weight's difference moves later
+# gradients, Hessian times difference, is left out: Adam's normalization
+# damps it once v is not tiny).
 WEIGHT_TOLERANCE = 8 * 0.01 * 2 * 2 * FORWARD_TOLERANCE
 # The epoch logs are means of figures at weights that far apart: a loss
-# moves by at most (the L1 norm of its gradient) * (the weights' largest
-# difference), to first order, plus the forward's own bound; the test
-# takes both from the run (the norm at the eager run's final weights, the
-# difference of the final weights, the largest of the run).
+# moves by about (the L1 norm of its gradient) * (the weights' largest
+# difference), plus the forward's own figure; the test takes both from
+# the run (the norm at the eager run's final weights, the difference of
+# the final weights, the largest of the run).
 
 
 def loss_gradient_l1(model, x, labels):

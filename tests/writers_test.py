@@ -91,15 +91,14 @@ class WrittenOnceTest(testing.TestCase):
         self.assertEqual(os.listdir(root), [])
         for callback, name, path in before:
             self.assertEqual(getattr(callback, name), path)
-        scratch = _writers._scratch()
+        # Each writer's files in a directory of its own in the scratch.
+        found = {}
+        for own in os.listdir(_writers._scratch()):
+            for name in os.listdir(os.path.join(_writers._scratch(), own)):
+                found[name] = os.path.join(_writers._scratch(), own, name)
         for name in ("m.keras", "log.csv", "tb", "gtb", "mine"):
-            self.assertTrue(
-                os.path.exists(os.path.join(scratch, name)), name
-            )
-        self.assertEqual(
-            sorted(os.listdir(os.path.join(scratch, "mine"))),
-            ["0.txt", "1.txt"],
-        )
+            self.assertIn(name, found)
+        self.assertEqual(sorted(os.listdir(found["mine"])), ["0.txt", "1.txt"])
         self.assertWeightsClose(model, plain, atol=0)
 
     def test_first_process_writes_at_the_users_paths(self):
@@ -126,8 +125,9 @@ class WrittenOnceTest(testing.TestCase):
 
     def test_backup_restores_here_and_saves_into_scratch(self):
         """`BackupAndRestore` in a process other than the first restores the
-        user's backup (the epoch to resume from), waits at the barrier once,
-        and leaves the user's backup as it was."""
+        user's backup (the epoch to resume from), waits for the first
+        process before and after it and at the end, and leaves the user's
+        backup as it was."""
         x, y = testing.classification_data()
         directory = os.path.join(tempfile.mkdtemp(), "backup")
 
@@ -163,24 +163,77 @@ class WrittenOnceTest(testing.TestCase):
             x, y, epochs=4, verbose=0, callbacks=callbacks
         )
         self.assertLen(history.history["loss"], 2)
-        self.assertEqual(waits, [1])
+        # After the first process' restore, after its own, at the end.
+        self.assertEqual(waits, [1, 1, 1])
         self.assertEqual(_contents(directory), saved)
+
+
+    def test_a_backup_reused_across_fits_saves_where_the_first_does(self):
+        """One `BackupAndRestore` (every 3 batches) given to two fits of 4
+        batches: a process other than the first saves at the batches the
+        first saves at, in the second fit too (its saver's count goes on
+        from fit to fit as the user's backup's does)."""
+        x, y = testing.classification_data()
+
+        def saves(first):
+            directory = os.path.join(tempfile.mkdtemp(), "backup")
+            backup = keras.callbacks.BackupAndRestore(directory, save_freq=3)
+            model = testing.mlp(Net, global_clipnorm=1.0)
+            model.compile(optimizer="sgd", loss=testing.sparse_crossentropy())
+            where, seen, fits = [None], [], [0]
+
+            class Where(keras.callbacks.Callback):
+                def on_train_batch_begin(self, batch, logs=None):
+                    where[0] = (fits[0], batch)
+
+            save_weights = model.save_weights
+
+            def recorded(*args, **kwargs):
+                seen.append(where[0])
+                return save_weights(*args, **kwargs)
+
+            model.save_weights = recorded
+            for _ in range(2):
+                model.fit(
+                    x[:64],
+                    y[:64],
+                    batch_size=16,
+                    epochs=1,
+                    verbose=0,
+                    callbacks=_writers.written_once(
+                        [Where(), backup],
+                        first=first,
+                        barrier=_no_barrier,
+                        everywhere=True,
+                    ),
+                )
+                fits[0] += 1
+            return seen
+
+        first = saves(True)
+        self.assertEqual(first, [(0, 2), (1, 1)])
+        self.assertEqual(saves(False), first)
 
 
 class WritesFilesDeclarationTest(testing.TestCase):
     def test_true_is_refused_where_the_path_must_move(self):
         """`writes_files = True` says nothing of where: refused where every
-        process runs the writers, by name."""
+        process runs the writers, by name, in the first process too (no
+        process left waiting for the others)."""
 
         class Unsaid(keras.callbacks.Callback):
             writes_files = True
 
-        with self.assertRaisesRegex(
-            ValueError, "Unsaid.*Received: writes_files=True"
-        ):
-            _writers.written_once(
-                [Unsaid()], first=False, barrier=_no_barrier, everywhere=True
-            )
+        for first in (False, True):  # alike in every process
+            with self.assertRaisesRegex(
+                ValueError, "Unsaid.*Received: writes_files=True"
+            ):
+                _writers.written_once(
+                    [Unsaid()],
+                    first=first,
+                    barrier=_no_barrier,
+                    everywhere=True,
+                )
         kept = _writers.written_once(
             [Unsaid()], first=False, barrier=_no_barrier, everywhere=False
         )

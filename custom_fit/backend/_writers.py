@@ -20,11 +20,12 @@ adapter of a backend picks one of two ways:
   process exits). The callback's own path is the user's again between
   hooks.
 
-`BackupAndRestore` restores the user's backup in every process, then the
-processes wait for each other (`barrier`), so that every process resumes
-at the same epoch and the first cannot save over or delete the backup
-before the others have read it; the first process alone saves to and
-deletes the user's directory.
+`BackupAndRestore` restores the user's backup in every process (the first
+before the others, which wait for it: Keras may repair a torn backup from
+its previous copy), so that every process resumes at the same epoch; the
+first process alone saves to and deletes the user's directory, and the
+processes wait for each other after the restore and at the end of
+training, so that none reads a backup the first is writing.
 """
 
 import atexit
@@ -32,6 +33,7 @@ import functools
 import os
 import shutil
 import tempfile
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -93,17 +95,11 @@ def written_once(
         ValueError: With `everywhere=True`, for a callback whose
             `writes_files` is `True`: its path must be named to be moved.
     """
-    kept = []
-    for callback in callbacks:
-        if isinstance(callback, keras.callbacks.BackupAndRestore):
-            kept.append(_shared_backup(callback, first, barrier, everywhere))
-            continue
-        attribute = path_attribute(callback)
-        if first or attribute is None:
-            kept.append(callback)
-        elif everywhere and isinstance(attribute, str):
-            kept.append(_Elsewhere(callback, attribute, _scratch()))
-        elif everywhere:
+    # Every process checks every callback, so that all raise alike (none
+    # left waiting in a collective).
+    attributes = [path_attribute(c) for c in callbacks]
+    for callback, attribute in zip(callbacks, attributes):
+        if everywhere and attribute is True:
             raise ValueError(
                 f"{type(callback).__name__} says it writes files "
                 "(writes_files=True) but not where: over several processes "
@@ -113,6 +109,14 @@ def written_once(
                 "writes_files to the name of the attribute that holds its "
                 "path, e.g. writes_files = 'log_dir'."
             )
+    kept = []
+    for callback, attribute in zip(callbacks, attributes):
+        if isinstance(callback, keras.callbacks.BackupAndRestore):
+            kept.append(_shared_backup(callback, first, barrier, everywhere))
+        elif first or attribute is None:
+            kept.append(callback)
+        elif everywhere and isinstance(attribute, str):
+            kept.append(_Elsewhere(callback, attribute, _scratch_of_one()))
     return kept
 
 
@@ -122,6 +126,11 @@ def _scratch() -> str:
     directory = tempfile.mkdtemp(prefix="custom_fit_not_first_process_")
     atexit.register(shutil.rmtree, directory, ignore_errors=True)
     return directory
+
+
+def _scratch_of_one() -> str:
+    """Returns a new directory in the scratch, for one callback's files."""
+    return tempfile.mkdtemp(dir=_scratch())
 
 
 _HOOKS = tuple(
@@ -140,13 +149,18 @@ class _Elsewhere(keras.callbacks.Callback):
         super().__init__()
         self.callback = callback
         self.attribute = attribute
-        own = os.fspath(getattr(callback, attribute)).rstrip("/\\")
-        self.path = os.path.join(directory, os.path.basename(own) or "files")
-        self.async_safe = getattr(callback, "async_safe", False)
+        self.directory = directory
+        # Its hooks swap an attribute of the user's callback: never run
+        # them from Keras' thread pool, beside the other hooks.
+        self.async_safe = False
 
     def _run(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        own = getattr(self.callback, self.attribute)
-        setattr(self.callback, self.attribute, self.path)
+        own = getattr(self.callback, self.attribute, None)
+        if own is None:
+            return getattr(self.callback, name)(*args, **kwargs)
+        last = os.path.basename(os.fspath(own).rstrip("/\\")) or "files"
+        moved = os.path.join(self.directory, last)
+        setattr(self.callback, self.attribute, moved)
         try:
             return getattr(self.callback, name)(*args, **kwargs)
         finally:
@@ -173,42 +187,54 @@ for _name in _HOOKS:
     setattr(_Elsewhere, _name, _hook(_name))
 
 
+# Each user backup's saver in this process's scratch (other processes than
+# the first): one per backup, so that its batch counters go on from fit to
+# fit as those of the user's backup do in the first process, and both save
+# at the same batches.
+_SAVERS: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+
+
 def _shared_backup(
     backup: Any, first: bool, barrier: Callable[[], None], everywhere: bool
 ) -> "_SharedBackup":
     """`backup` shared by the processes; saves where this process may."""
     if first:
-        return _SharedBackup(backup, backup, barrier)
+        return _SharedBackup(backup, backup, first, barrier)
     if not everywhere:
-        return _SharedBackup(backup, None, barrier)
-    # The same saves, into this process's scratch directory.
-    keywords = {"save_freq": backup.save_freq, "delete_checkpoint": True}
-    if hasattr(backup, "double_checkpoint"):
-        keywords["double_checkpoint"] = backup.double_checkpoint
-    own = os.fspath(backup.backup_dir).rstrip("/\\")
-    scratch = keras.callbacks.BackupAndRestore(
-        os.path.join(_scratch(), os.path.basename(own) or "backup"),
-        **keywords,
-    )
-    return _SharedBackup(backup, scratch, barrier)
+        return _SharedBackup(backup, None, first, barrier)
+    if backup not in _SAVERS:
+        keywords = {"save_freq": backup.save_freq, "delete_checkpoint": True}
+        if hasattr(backup, "double_checkpoint"):
+            keywords["double_checkpoint"] = backup.double_checkpoint
+        _SAVERS[backup] = keras.callbacks.BackupAndRestore(
+            os.path.join(_scratch_of_one(), "backup"), **keywords
+        )
+    return _SharedBackup(backup, _SAVERS[backup], first, barrier)
 
 
 class _SharedBackup(keras.callbacks.Callback):
     """A `BackupAndRestore` shared by the processes.
 
-    Every process restores `backup` at the start of training (the
-    weights, and the epoch to resume from), then waits for the others;
-    `saver` (the backup itself in the first process; a backup of the same
-    frequency in a scratch directory, or none, in the others) saves and,
-    at the end, deletes.
+    The first process restores `backup` (and repairs it, where Keras falls
+    back to the previous copy), then the others restore it, each side
+    waiting for the other; `saver` (the backup itself in the first
+    process; in the others a backup of the same frequency in a scratch
+    directory, or none) saves and, at the end, deletes, after which the
+    processes wait for each other again, so that no process reads a backup
+    the first is still writing.
     """
 
     def __init__(
-        self, backup: Any, saver: Any, barrier: Callable[[], None]
+        self,
+        backup: Any,
+        saver: Any,
+        first: bool,
+        barrier: Callable[[], None],
     ) -> None:
         super().__init__()
         self.backup = backup
         self.saver = saver
+        self.first = first
         self.barrier = barrier
 
     def _both(self) -> list[Any]:
@@ -225,7 +251,11 @@ class _SharedBackup(keras.callbacks.Callback):
             callback.set_params(params)
 
     def on_train_begin(self, logs: Any = None) -> None:
-        self.backup.on_train_begin(logs)
+        if self.first:
+            self.backup.on_train_begin(logs)
+        self.barrier()
+        if not self.first:
+            self.backup.on_train_begin(logs)
         self.barrier()
 
     def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
@@ -239,3 +269,4 @@ class _SharedBackup(keras.callbacks.Callback):
     def on_train_end(self, logs: Any = None) -> None:
         if self.saver is not None:
             self.saver.on_train_end(logs)
+        self.barrier()

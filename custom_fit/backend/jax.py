@@ -596,31 +596,36 @@ def data_shards() -> tuple[int, int]:
     return len(shares), shares.index(mine) if mine in shares else 0
 
 
-def _several_processes() -> bool:
-    """Whether processes train one model: several, under a distribution."""
-    return (
-        jax.process_count() > 1
-        and keras.distribution.distribution() is not None
-    )
+def _mesh_processes() -> list[int]:
+    """The processes whose devices the distribution's mesh holds, sorted.
+
+    One process, or no distribution: `[]` (nothing shared).
+    """
+    distribution = keras.distribution.distribution()
+    if jax.process_count() == 1 or distribution is None:
+        return []
+    devices = np.asarray(distribution.device_mesh.devices, dtype=object)
+    return sorted({_process_of(device) for device in devices.flat})
 
 
 def writes_files(model: Any) -> bool:
-    """Whether this process writes: alone, or the first of several."""
+    """Whether this process writes: alone, or the first of its mesh's."""
     del model
-    return not _several_processes() or jax.process_index() == 0
+    processes = _mesh_processes()
+    return len(processes) < 2 or jax.process_index() == processes[0]
 
 
 def fit_callbacks(model: Any, callbacks: list[Any], x: Any) -> list[Any]:
     """Returns the callbacks `fit` runs.
 
-    Over several processes under a `keras.distribution`, the writing
+    Over several processes of one `keras.distribution` mesh, the writing
     callbacks run in every process (Keras' state sync before a save or a
     read of the model checks that the processes agree: each must join), the
     first writing the user's files and the others into a scratch directory;
     `BackupAndRestore` restores in every process (`_writers`).
     """
     del x
-    if not _several_processes():
+    if len(_mesh_processes()) < 2:
         return callbacks
 
     def barrier() -> None:

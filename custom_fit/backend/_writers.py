@@ -20,9 +20,11 @@ adapter of a backend picks one of two ways:
   process exits). The callback's own path is the user's again between
   hooks.
 
-`BackupAndRestore` restores the user's backup in every process (the first
-before the others, which wait for it: Keras may repair a torn backup from
-its previous copy), so that every process resumes at the same epoch; the
+`BackupAndRestore` restores the user's backup in every process (on PyTorch
+the first before the others, which wait for it: Keras may repair a torn
+backup from its previous copy; on JAX and TensorFlow loading is itself
+collective, so all at once), so that every process resumes at the same
+epoch; the
 first process alone saves to and deletes the user's directory, and the
 processes wait for each other after the restore and at the end of
 training, so that none reads a backup the first is writing.
@@ -199,9 +201,9 @@ def _shared_backup(
 ) -> "_SharedBackup":
     """`backup` shared by the processes; saves where this process may."""
     if first:
-        return _SharedBackup(backup, backup, first, barrier)
+        return _SharedBackup(backup, backup, first, barrier, everywhere)
     if not everywhere:
-        return _SharedBackup(backup, None, first, barrier)
+        return _SharedBackup(backup, None, first, barrier, everywhere)
     if backup not in _SAVERS:
         keywords = {"save_freq": backup.save_freq, "delete_checkpoint": True}
         if hasattr(backup, "double_checkpoint"):
@@ -209,19 +211,20 @@ def _shared_backup(
         _SAVERS[backup] = keras.callbacks.BackupAndRestore(
             os.path.join(_scratch_of_one(), "backup"), **keywords
         )
-    return _SharedBackup(backup, _SAVERS[backup], first, barrier)
+    return _SharedBackup(backup, _SAVERS[backup], first, barrier, everywhere)
 
 
 class _SharedBackup(keras.callbacks.Callback):
     """A `BackupAndRestore` shared by the processes.
 
-    The first process restores `backup` (and repairs it, where Keras falls
-    back to the previous copy), then the others restore it, each side
-    waiting for the other; `saver` (the backup itself in the first
-    process; in the others a backup of the same frequency in a scratch
-    directory, or none) saves and, at the end, deletes, after which the
-    processes wait for each other again, so that no process reads a backup
-    the first is still writing.
+    Every process restores `backup`: where loading is local (PyTorch) the
+    first before the others (it may repair a torn backup from Keras'
+    previous copy), each side waiting for the other; where loading is
+    itself collective (JAX, TensorFlow's workers) all at once. `saver`
+    (the backup itself in the first process; in the others a backup of
+    the same frequency in a scratch directory, or none) saves and, at the
+    end, deletes, after which the processes wait for each other again, so
+    that no process reads a backup the first is still writing.
     """
 
     def __init__(
@@ -230,12 +233,14 @@ class _SharedBackup(keras.callbacks.Callback):
         saver: Any,
         first: bool,
         barrier: Callable[[], None],
+        everywhere: bool,
     ) -> None:
         super().__init__()
         self.backup = backup
         self.saver = saver
         self.first = first
         self.barrier = barrier
+        self.everywhere = everywhere
 
     def _both(self) -> list[Any]:
         return [c for c in (self.backup, self.saver) if c is not None]
@@ -251,11 +256,15 @@ class _SharedBackup(keras.callbacks.Callback):
             callback.set_params(params)
 
     def on_train_begin(self, logs: Any = None) -> None:
-        if self.first:
+        if self.everywhere:
+            # Loading the weights is itself collective here: at once.
             self.backup.on_train_begin(logs)
-        self.barrier()
-        if not self.first:
-            self.backup.on_train_begin(logs)
+        else:
+            if self.first:
+                self.backup.on_train_begin(logs)
+            self.barrier()
+            if not self.first:
+                self.backup.on_train_begin(logs)
         self.barrier()
 
     def on_epoch_end(self, epoch: int, logs: Any = None) -> None:

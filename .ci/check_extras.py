@@ -25,7 +25,7 @@ AT_ONCE = 2
 
 # extra -> (packages it must bring, packages it must not bring). The
 # extras the suite step installs together (`tensorflow`, `jax`, `test`,
-# `hub`, `torch-test`: the README's test command) are proven to
+# `hub`, `torch-test`, `ray`: the README's test command) are proven to
 # bring what the tests use by the suite itself, and `docs` by the docs
 # step; here, what only a fresh machine shows: a backend extra brings no
 # other backend, and the others bring none.

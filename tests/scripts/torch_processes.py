@@ -24,6 +24,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import datetime  # noqa: E402
 
+import files_once  # noqa: E402  (tests/scripts/files_once.py)
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -381,18 +382,6 @@ def fit_then_die(x, y, rank, world):
     )
 
 
-class _Interrupt(keras.callbacks.Callback):
-    """Stops training with an error as epoch `epoch` begins."""
-
-    def __init__(self, epoch):
-        super().__init__()
-        self.epoch = epoch
-
-    def on_epoch_begin(self, epoch, logs=None):
-        if epoch == self.epoch:
-            raise RuntimeError(f"interrupted at epoch {epoch}")
-
-
 def backup_and_restore(x, y, rank, world):
     """A 4-epoch fit with `BackupAndRestore`, interrupted as its third epoch
     begins in every process, then resumed by a new model (its own seed):
@@ -418,7 +407,7 @@ def backup_and_restore(x, y, rank, world):
         return model, history
 
     try:
-        run(rank, [_Interrupt(2)])
+        run(rank, [files_once.Interrupt(2)])
         raise AssertionError("not interrupted")
     except RuntimeError as error:
         assert "interrupted at epoch 2" in str(error), error

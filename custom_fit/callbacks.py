@@ -492,6 +492,11 @@ class PrivacyBudget(keras.callbacks.Callback):
     (`action="stop"`, the default), or warns once when the next
     call would pass it and lets training go on (`"warn"`). A budget already
     spent when `fit` begins stops it before its first step (`"stop"`).
+    A private model's `fit` runs it before the other callbacks, wherever
+    it is in the list, so that every other one (`CSVLogger`, TensorBoard,
+    a callback of yours) finds `epsilon` in the epoch's logs; it reads the
+    steps run so far when the first epoch begins, after a
+    `BackupAndRestore` has restored the model.
 
     The model is a `custom_fit.DifferentialPrivacyMixin` model. The steps
     are its `private_steps`: every step the mechanism ran, skipped updates
@@ -597,6 +602,7 @@ class PrivacyBudget(keras.callbacks.Callback):
         self._allowed: int | None = None
         self._epoch_start = 0
         self._warned = False
+        self._begun = False
 
     def on_train_begin(self, logs: Logs | None = None) -> None:
         model = self.model
@@ -626,6 +632,21 @@ class PrivacyBudget(keras.callbacks.Callback):
         self._noise = float(noise) / privacy.microbatch_sensitivity(
             model.num_microbatches, self.batch_size
         )
+        self.epsilons = []
+        self._warned = False
+        self._allowed = None
+        self._begun = False
+
+    def _begin(self) -> None:
+        """Reads the steps run so far, when the fit's first epoch begins.
+
+        Not at `on_train_begin`: a callback that restores the model there
+        (`BackupAndRestore`) may come later in the list, while this
+        callback comes first (its epoch's epsilon reaches every later
+        callback's logs).
+        """
+        self._begun = True
+        model = self.model
         self._fit_start = self._steps_run()
         # A loaded model restarts its counts: its updates are no fewer
         # than whole passes' worth.
@@ -634,9 +655,6 @@ class PrivacyBudget(keras.callbacks.Callback):
             _model_state.state_of(model).dp_passes,
             -(-self._fit_start // per_pass),
         )
-        self.epsilons = []
-        self._warned = False
-        self._allowed = None
         if self.max_epsilon is not None:
             done = self._steps_run()
             self._allowed = self._allowed_steps(done)
@@ -745,6 +763,8 @@ class PrivacyBudget(keras.callbacks.Callback):
         return low
 
     def on_epoch_begin(self, epoch: int, logs: Logs | None = None) -> None:
+        if not self._begun:
+            self._begin()
         if self._allowed is not None:
             self._epoch_start = self._steps_run()
 

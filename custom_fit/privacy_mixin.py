@@ -613,6 +613,12 @@ class DifferentialPrivacyMixin(TrainStepMixin):
             ValueError: When the run would not be the one accounted.
         """
         arguments = _keras_model.fit_arguments(self, args, kwargs)
+        callbacks = arguments.get("callbacks")
+        if callbacks is not None and not isinstance(
+            callbacks, keras.callbacks.CallbackList
+        ):
+            # Nested lists too, as `keras.Model.fit` takes them.
+            arguments["callbacks"] = list(keras.tree.flatten(callbacks))
         accumulation = self.gradient_accumulation_steps or 1
         run = _across_processes(_training_run(arguments, accumulation))
         budgets = [
@@ -663,11 +669,12 @@ class DifferentialPrivacyMixin(TrainStepMixin):
         if isinstance(callbacks, keras.callbacks.CallbackList):
             callbacks.append(resumed)
         else:
-            # After the user's (`BackupAndRestore` restores first), the
-            # budgets, then the resumed run's keys: all see the restored
-            # model.
+            # The budgets first, so that every other callback's logs hold
+            # the epoch's epsilon (they read the steps run when the first
+            # epoch begins, after any restore); the resumed run's keys
+            # last, after the user's (`BackupAndRestore` restores first).
             others = [c for c in callbacks or () if c not in budgets]
-            arguments["callbacks"] = [*others, *budgets, resumed]
+            arguments["callbacks"] = [*budgets, *others, resumed]
         state.dp_run = run
         started = self.private_steps
         if slot is not None:

@@ -21,6 +21,16 @@ norm and per-layer inspection:
   from Ray's context) and trains under `keras.distribution.DataParallel`.
 
 On PyTorch and JAX each worker feeds its own rows of every global batch.
+
+`--private` trains with DP-SGD instead: per-example clipping, Gaussian
+noise, Poisson-sampled batches (`custom_fit.sampling.PoissonSampler`)
+and the epsilon spent logged every epoch (`PrivacyBudget`). Every worker
+makes the same sampler of the whole data; `fit` feeds each its share of
+every draw, and hands worker 0's secret seeds (the draws', the noise's)
+to the others, so that the workers train as one process would, on one
+draw per step. PyTorch and JAX only: TensorFlow's
+`MultiWorkerMirroredStrategy` would give every worker a sampler of its
+own, two draws counted as one, and custom_fit refuses it.
 Every epoch the workers report their logs to Ray (`ray.train.report`),
 with a checkpoint written by worker 0 (the weights, the optimizer's state,
 the epochs done and their logs); `--resume_from=<checkpoint directory>`
@@ -62,6 +72,15 @@ _CRASH_AFTER_EPOCH = flags.DEFINE_integer(
     "If set: worker 0 dies once, after this epoch's checkpoint has reached "
     "Ray, and Ray restarts the run from it (Ray's fault tolerance, to try "
     "it).",
+)
+_PRIVATE = flags.DEFINE_boolean(
+    "private", False, "Train with DP-SGD on Poisson-sampled batches."
+)
+_SEED = flags.DEFINE_integer(
+    "seed",
+    None,
+    "With --private: the sampler's and the noise's seed. Unset: secret "
+    "seeds (a private run); set: a reproducible run, for comparisons.",
 )
 _PLAIN = flags.DEFINE_boolean(
     "plain", False, "Train a plain keras.Model (no custom_fit mixins)."
@@ -106,7 +125,8 @@ def train_loop(config):
 
     Args:
         config: Dict with `epochs`, `global_batch_size`, `resume_from`,
-            `output_dir`, `crash_after_epoch`, `plain`, `ray` (whether Ray
+            `output_dir`, `crash_after_epoch`, `plain`, `private`, `seed`,
+            `ray` (whether Ray
             started this process), with Ray `storage` (Ray's run
             directory) and, on JAX, `coordinator` (`host:port` of the JAX
             cluster).
@@ -150,15 +170,34 @@ def train_loop(config):
     ):
         """The MLP with global-norm clipping and inspection."""
 
+    class Private(custom_fit.DifferentialPrivacyMixin, keras.Model):
+        """The MLP trained with DP-SGD."""
+
     def build():
         if config["plain"]:
             model = mlp.build(keras.Model, x_train.shape[1])
+        elif config["private"]:
+            model = mlp.build(
+                Private,
+                x_train.shape[1],
+                l2_norm_clip=1.0,
+                noise_multiplier=1.1,
+                noise_seed=config["seed"],
+                expected_batch_size=global_batch,
+            )
         else:
             model = mlp.build(Net, x_train.shape[1], global_clipnorm=0.5)
+        # A Poisson batch is padded with rows of sample weight 0 (each
+        # worker's share on its own): the accuracy is weighted, over the
+        # drawn examples only. (The loss, Keras' mean over a batch's rows,
+        # counts the padding rows: its log depends on the worker count.)
+        accuracy = {
+            "weighted_metrics" if config["private"] else "metrics": ["accuracy"]
+        }
         model.compile(
             optimizer=keras.optimizers.Adam(0.01),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            metrics=["accuracy"],
+            **accuracy,
         )
         return model
 
@@ -196,7 +235,19 @@ def train_loop(config):
             history = load_checkpoint(resume_from, model)
     done = len(next(iter(history.values()), []))
 
-    if backend == "tensorflow":
+    if config["private"]:
+        # Every worker makes the same sampler of the whole data; fit feeds
+        # each its share of every draw. (Padded to multiples of 8 rows:
+        # a few batch shapes to compile, not one per batch size.)
+        sampler = custom_fit.sampling.PoissonSampler(
+            x_train,
+            y_train,
+            batch_size=global_batch,
+            seed=config["seed"],
+            pad_to_multiple_of=8,
+        )
+        inputs = {"x": sampler}
+    elif backend == "tensorflow":
         # One dataset of full global batches; tf.distribute gives each
         # worker its share of every one.
         import tensorflow as tf
@@ -213,6 +264,12 @@ def train_loop(config):
         inputs = {"x": x, "y": y, "batch_size": global_batch // workers}
 
     callbacks = []
+    if config["private"]:
+        callbacks.append(
+            custom_fit.callbacks.PrivacyBudget(
+                num_examples=len(x_train), batch_size=global_batch, delta=1e-5
+            )
+        )
     if config["ray"]:
 
         class ReportToRay(keras.callbacks.Callback):
@@ -266,7 +323,9 @@ def train_loop(config):
         directory = os.path.join(config["output_dir"], f"worker_{rank}")
         os.makedirs(directory, exist_ok=True)
         save_checkpoint(directory, model, history)
-    if rank == 0 and not config["plain"]:
+    if rank == 0 and config["private"]:
+        print(f"epsilon spent: {history['epsilon'][-1]:.3f} (delta 1e-5)")
+    elif rank == 0 and not config["plain"]:
         print(f"gradient norms of the last step: {model.gradient_norms}")
 
 
@@ -317,8 +376,20 @@ def main(argv):
         else "",
         "crash_after_epoch": _CRASH_AFTER_EPOCH.value,
         "plain": _PLAIN.value,
+        "private": _PRIVATE.value,
+        "seed": _SEED.value,
         "ray": _WORKERS.value > 1,
     }
+    if config["private"] and (config["plain"] or config["resume_from"]):
+        # A private run resumed would also need the sampler's epochs and
+        # the accountant's steps so far; this example does not keep them.
+        raise app.UsageError(
+            "--private cannot be combined with --plain or --resume_from."
+        )
+    if config["private"] and config["crash_after_epoch"]:
+        raise app.UsageError(
+            "--private cannot be combined with --crash_after_epoch."
+        )
     if not config["ray"]:
         train_loop(config)
         return

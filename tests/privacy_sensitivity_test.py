@@ -13,6 +13,8 @@ every path the mixin accepts:
   without it, computed by the training step itself, differ by at most C.
 """
 
+import os
+
 import keras
 import numpy as np
 import pytest
@@ -825,6 +827,41 @@ class ReviewedPathsTest(testing.TestCase):
                 verbose=0,
                 callbacks=[budget, keras.callbacks.BackupAndRestore(directory)],
             )
+
+    def test_every_callback_finds_epsilon_wherever_the_budget_is_listed(self):
+        """Keras' CSVLogger and a callback listed before the PrivacyBudget
+        find the epoch's epsilon in their logs: dp-accounting's epsilon of
+        one Gaussian mechanism per pass (shuffled batches). Listed in the
+        user's order, both would miss it."""
+        import csv
+        import tempfile
+
+        ids, targets = canary_data(64)
+        path = os.path.join(tempfile.mkdtemp(), "log.csv")
+        seen = []
+
+        class Record(keras.callbacks.Callback):
+            def on_epoch_end(self, epoch, logs=None):
+                seen.append(logs.get("epsilon"))
+
+        model = canary_model(64, noise_multiplier=1.0)
+        model.compile(optimizer="sgd", loss="mse")
+        budget = custom_fit.callbacks.PrivacyBudget(
+            num_examples=64, batch_size=16, delta=1e-3
+        )
+        model.fit(
+            ids,
+            targets,
+            batch_size=16,
+            epochs=2,
+            verbose=0,
+            callbacks=[[keras.callbacks.CSVLogger(path), Record()], budget],
+        )
+        expected = [gaussian_epsilon(k, 1.0, 1e-3) for k in (1, 2)]
+        with open(path) as handle:
+            logged = [float(row["epsilon"]) for row in csv.DictReader(handle)]
+        self.assertAllClose(logged, expected, rtol=1e-6)
+        self.assertAllClose(seen, expected, rtol=1e-6)
 
 
 @pytest.mark.torch

@@ -12,6 +12,7 @@ import json
 import os
 import tempfile
 
+import keras
 import numpy as np
 import pytest
 
@@ -28,6 +29,20 @@ def run(*flags):
     """Runs the example with `flags`; returns what it printed."""
     env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
     return testing.run_bounded(_EXAMPLE, *flags, timeout=_TIMEOUT, env=env)
+
+
+def poisson_epsilon(rate, noise, steps, delta):
+    """dp-accounting's RDP epsilon of `steps` Poisson-subsampled Gaussian
+    mechanisms."""
+    import dp_accounting
+    from dp_accounting import rdp
+
+    ledger = rdp.RdpAccountant()
+    event = dp_accounting.PoissonSampledDpEvent(
+        rate, dp_accounting.GaussianDpEvent(noise)
+    )
+    ledger.compose(event, steps)
+    return ledger.get_epsilon(delta)
 
 
 def saved(directory, worker):
@@ -70,6 +85,39 @@ class RayTrainTest(testing.TestCase):
                 self.assertAllClose(got[2][key], values, atol=1e-5, rtol=1e-5)
         for a, b in zip(workers[0][0], workers[1][0]):
             np.testing.assert_array_equal(a, b)
+
+    def test_private_training_on_two_workers_equals_one_process(self):
+        """DP-SGD on Poisson batches (`--private`, given seeds): two Ray
+        workers, each feeding its share of every draw, end on the weights
+        and optimizer state of one process (atol 1e-6), with the epsilon
+        the accountant gives one process every epoch (dp-accounting's RDP
+        epsilon of the Poisson-subsampled Gaussian, computed here), the
+        same clipped fractions and (weighted) accuracy. On TensorFlow,
+        where each worker would draw its own batches, custom_fit refuses
+        the sampler, naming the fix."""
+        if keras.backend.backend() == "tensorflow":
+            with self.assertRaisesRegex(
+                AssertionError, "cannot be fed over several tf.distribute"
+            ):
+                run("--workers=2", "--epochs=1", "--private", "--seed=5")
+            return
+        one, two = tempfile.mkdtemp(), tempfile.mkdtemp()
+        flags = ("--epochs=2", "--private", "--seed=5")
+        run("--workers=1", *flags, f"--output_dir={one}")
+        run("--workers=2", *flags, f"--output_dir={two}")
+        weights, state, logs = saved(one, 0)
+        steps = -(-1437 // 64)  # a pass of scikit-learn's digits' split
+        expected = [
+            poisson_epsilon(64 / 1437, 1.1, steps * epochs, 1e-5)
+            for epochs in (1, 2)
+        ]
+        self.assertAllClose(logs["epsilon"], expected, rtol=1e-6, atol=0)
+        for worker in (0, 1):
+            got = saved(two, worker)
+            self.assertAllClose(got[0], weights, atol=1e-6, rtol=0)
+            self.assertAllClose(got[1], state, atol=1e-6, rtol=0)
+            for key in ("epsilon", "dp_clipped_fraction", "accuracy"):
+                self.assertAllClose(got[2][key], logs[key], atol=1e-6, rtol=0)
 
     @pytest.mark.tensorflow
     def test_a_plain_keras_model_fails_under_tensorflow_trainer(self):

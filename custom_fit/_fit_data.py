@@ -126,38 +126,98 @@ _SAMPLER_FIGURES = ("data", "num_examples", "stream", "batch_size", "epoch")
 _SEED_CHUNKS = 5
 
 
-def check_not_auto_sharded(x: Any) -> None:
-    """Raises for a sampler that Keras would shard across processes.
+def keras_shards() -> int:
+    """The processes Keras deals a `PyDataset`'s batches to; 1 if none.
 
-    Over several processes each one feeds its share of every draw of the
-    same sampler. With the distribution's `auto_shard_dataset` on, Keras
-    3.16 deals a `PyDataset`'s batches to the processes by index, so a
-    global batch would join shares of different draws: two draws counted
-    as one (Keras 3.15 refuses the combination itself, with another
-    message). Does nothing in one process, or for other data.
-
-    Raises:
-        ValueError: Naming the setting and the fix.
+    Keras 3.16, with the distribution's `auto_shard_dataset` on, gives
+    process `p` of `n` batches `p, p + n, p + 2n, ...` of a `PyDataset`
+    (before 3.16 it refuses every input but a `tf.data.Dataset` there).
     """
     distribution = keras.distribution.distribution()
-    if not is_sampler(x) or distribution is None:
-        return
-    # Keras 3.16 deals batches to `num_data_shards` processes; before, a
-    # sampler never reached its sharding.
-    shards = max(
+    if distribution is None or not getattr(
+        distribution, "auto_shard_dataset", False
+    ):
+        return 1
+    # Before 3.16 a sampler never reached Keras' sharding (refused there
+    # with Keras' own message): counted by the processes that feed `fit`.
+    return max(
         backend.current().data_shards()[0],
         int(getattr(distribution, "num_data_shards", 1)),
     )
-    if shards > 1 and getattr(distribution, "auto_shard_dataset", False):
+
+
+def check_keras_shards(x: Any, steps: int | None, name: str) -> None:
+    """Raises for data that Keras' sharding would feed wrongly or unevenly.
+
+    Over several processes a step's global batch is every process' batch
+    of that step. With Keras' sharding (`keras_shards`), a
+    `PoissonSampler`'s shares would come from different draws (two draws
+    counted as one), a `PyDataset` whose batches the processes do not
+    divide evenly would leave a process waiting in a collective at the
+    last step, and a last batch shorter than the first would make a
+    global batch of unequal shares (weights and logs silently wrong, each
+    process' logs its own). A `PyDataset`'s first and last batches are
+    read once here for their rows. The same decision in every process:
+    each holds the whole `PyDataset`. Does nothing in one process, or for
+    other data (Keras refuses arrays and `DataLoader`s there itself).
+
+    Args:
+        x: The data (`fit`'s, its validation data, `evaluate`'s).
+        steps: `steps_per_epoch` (or `validation_steps`, `steps`), or
+            `None`.
+        name: The data's name in messages (`"training"`, ...).
+
+    Raises:
+        ValueError: Naming the setting, what was received and the fix.
+    """
+    shards = keras_shards()
+    if shards == 1 or not isinstance(x, keras.utils.PyDataset):
+        return
+    distribution = type(keras.distribution.distribution()).__name__
+    if is_sampler(x):
         raise ValueError(
             f"A {type(x).__name__} over several processes needs "
             "`auto_shard_dataset = False` on the distribution: each "
             "process feeds its own share of every draw, and Keras' "
             "sharding would deal whole batches of different draws to the "
             "processes, making a step's global batch two draws. Received: "
-            f"{type(distribution).__name__} with auto_shard_dataset=True. "
+            f"{distribution} with auto_shard_dataset=True. "
             "Set `distribution.auto_shard_dataset = False` before `fit`."
         )
+    batches = x.num_batches
+    if batches is None:
+        return  # infinite or unknown: `steps` decides, alike everywhere
+    used = batches if steps is None else min(batches, int(steps) * shards)
+    fix = (
+        f"Give it a multiple of {shards} batches of equal rows (drop the "
+        "short last batch), or set `distribution.auto_shard_dataset = "
+        "False` and feed each process its share of every global batch."
+    )
+    if used % shards:
+        raise ValueError(
+            f"Keras deals the {name} PyDataset's batches to the {shards} "
+            "processes in turn, so with "
+            f"{used} batches process 0 would run {-(-used // shards)} steps "
+            f"and the last {used // shards}, left waiting in a collective. "
+            f"Received: {used} {name} batches, {shards} processes, "
+            f"auto_shard_dataset=True. {fix}"
+        )
+    first, last = _rows(x[0]), _rows(x[used - 1])
+    if first != last:
+        raise ValueError(
+            f"Keras deals the {name} PyDataset's batches to the {shards} "
+            "processes in turn, and a step's global batch joins one batch "
+            "of each: its last batch, shorter than the first, would join "
+            "shares of unequal rows, which the processes cannot add up "
+            f"(weights and logs would be wrong). Received: a first batch "
+            f"of {first} rows and a last of {last}, auto_shard_dataset=True. "
+            f"{fix}"
+        )
+
+
+def _rows(batch: Any) -> int:
+    """The rows of a batch: those of its first array."""
+    return int(keras.tree.flatten(batch)[0].shape[0])
 
 
 def check_processes_agree(

@@ -266,13 +266,19 @@ class KerasModel(_ModelBase):
         draws, so their order changes nothing, and one process then trains
         on the batches several processes train on; over several processes
         shuffling would pair shares of different draws, and is refused.
+        Where Keras deals a `PyDataset`'s batches to the processes itself
+        (Keras 3.16, `auto_shard_dataset` on), a number of batches the
+        processes do not divide and a short last batch are refused (a
+        process left waiting, a global batch of unequal shares), and so is
+        a sampler.
 
         Returns:
             A `History` object, as `keras.Model.fit` returns.
 
         Raises:
             ValueError: Over several processes, for unequal batch counts,
-                samplers that differ, or `shuffle=True` with a sampler.
+                samplers that differ, `shuffle=True` with a sampler, or a
+                `PyDataset` that Keras' sharding would feed unevenly.
         """
         self._configure_if_needed()
         for model in _model_state.models_in(self):
@@ -286,7 +292,14 @@ class KerasModel(_ModelBase):
         _fit_data.check_processes_agree(
             _fit_data.fit_batches(arguments), x, shuffled
         )
-        _fit_data.check_not_auto_sharded(x)
+        _fit_data.check_keras_shards(
+            x, arguments.get("steps_per_epoch"), "training"
+        )
+        _fit_data.check_keras_shards(
+            arguments.get("validation_data"),
+            arguments.get("validation_steps"),
+            "validation",
+        )
         if _fit_data.is_sampler(x):
             backend.current().check_sampler(self, x)
             # Its batches are independent draws: in order by default, so
@@ -322,6 +335,9 @@ class KerasModel(_ModelBase):
         _options.refuse_options_in_call(type(self), "evaluate", kwargs)
         if backend.current().data_shards()[0] > 1:
             arguments = KERAS_EVALUATE.bind(self, *args, **kwargs).arguments
+            _fit_data.check_keras_shards(
+                arguments.get("x"), arguments.get("steps"), "evaluation"
+            )
             _fit_data.check_processes_agree(
                 {
                     "evaluation": _fit_data.batches_per_epoch(

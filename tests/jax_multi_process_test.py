@@ -93,6 +93,32 @@ class JaxMultiProcessTest(testing.TestCase):
                 processes[0][key], single[key], atol=1e-6, rtol=0
             )
 
+    def _check_keras_sharding(self, saved):
+        """Keras' sharding of a `PyDataset` over the two processes
+        (`auto_shard_dataset = True`): from Keras 3.16, which deals its
+        batches to the processes in turn, 6 batches of 16 train both
+        processes to the weights of one process fed the arrays in batches
+        of 32 (atol 1e-6); before, Keras refuses it. 5 batches (a process
+        would wait at the last step) and a short last batch (a global batch
+        of unequal shares) are refused by custom_fit on every Keras."""
+        single = saved["single"]
+        at_least_3_16 = testing.keras_at_least((3, 16))
+        for label in ("process_0", "process_1"):
+            run = saved[label]
+            self.assertEqual(float(run["refused_odd_batches"]), 1.0)
+            self.assertEqual(float(run["refused_short_batch"]), 1.0)
+            self.assertEqual(
+                float(run["sharded_refused_by_keras"]), 1 - at_least_3_16
+            )
+            if at_least_3_16:
+                for i in range(2):
+                    self.assertAllClose(
+                        run[f"sharded_weight_{i}"],
+                        single[f"sharded_weight_{i}"],
+                        atol=1e-6,
+                        rtol=0,
+                    )
+
     def test_poisson_private_training_over_two_processes(self):
         """DP-SGD with noise on a `PoissonSampler` under `DataParallel`
         over two processes, each feeding its share of every draw: weights
@@ -122,6 +148,7 @@ class JaxMultiProcessTest(testing.TestCase):
                 self.assertAllClose(
                     run[f"weight_{i}"], single[f"weight_{i}"], atol=1e-6
                 )
+        self._check_keras_sharding(saved)
         # A CanaryAudit: with given seeds its figures equal one process'
         # (the canaries dealt as examples are), every check passed; with
         # secret seeds both processes report the same audit.

@@ -13,8 +13,8 @@ feeds its share of every draw. `--processes=1` trains in one process
 without any distribution (the oracle). Each run saves the final weights,
 the epsilon logged by `PrivacyBudget`, the shares of 500 draws of a
 second sampler, whether the configurations that cannot be accounted
-are refused, and the results of the writing callbacks' runs
-(`files_once.py`), to `DIR/<label>.npz` (`process_<i>` or `single`).
+are refused, Keras' own sharding of a `PyDataset` (`keras_sharding`),
+and the results of the writing callbacks' runs (`files_once.py`), to `DIR/<label>.npz` (`process_<i>` or `single`).
 """
 
 import contextlib
@@ -148,6 +148,7 @@ def train(process, processes, label):
             assert "auto_shard_dataset" in str(error), error
             saved["refused_auto_shard"] = np.float32(1)
         distribution.auto_shard_dataset = False
+    saved.update(keras_sharding(x, y, distribution))
 
     # Gradient-space count: example i moves only row i of a table, by the
     # clip per entry in an update; each draw dealt into 2 batches.
@@ -232,6 +233,80 @@ def train(process, processes, label):
         )
     )
     np.savez(os.path.join(_OUTPUT_DIR.value, f"{label}.npz"), **saved)
+
+
+def keras_sharding(x, y, distribution):
+    """Keras' own sharding of a `PyDataset` (`auto_shard_dataset = True`).
+
+    Keras 3.16 deals a `PyDataset`'s batches to the processes in turn.
+    Batches of 16 rows: 6 of them (3 per process) train; returns the
+    weights (`sharded_weight_<i>`), or in one process those of the oracle,
+    arrays in batches of 32 unshuffled (batch `2k` and `2k + 1` in the
+    global batch of step `k`; unshuffled: Keras would shuffle each
+    process' batches), and whether Keras refused it (3.15,
+    `sharded_refused_by_keras`). 5 batches and a short last batch (80, 88
+    rows): `refused_odd_batches` and `refused_short_batch` (custom_fit's
+    errors, before any step).
+    """
+    import keras
+    import numpy as np
+
+    import custom_fit
+
+    class Net(custom_fit.GradientClippingMixin, keras.Model):
+        pass
+
+    class Batches(keras.utils.PyDataset):
+        def __init__(self, rows):
+            super().__init__()
+            self.rows = rows
+
+        def __len__(self):
+            return -(-self.rows // 16)
+
+        def __getitem__(self, index):
+            part = slice(16 * index, min(16 * (index + 1), self.rows))
+            return x[part], y[part]
+
+    def model():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((6,))
+        made = Net(inputs, keras.layers.Dense(3)(inputs), global_clipnorm=0.5)
+        made.compile(
+            optimizer=keras.optimizers.SGD(0.1),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+        return made
+
+    found = {
+        "sharded_refused_by_keras": np.float32(0),
+        "refused_odd_batches": np.float32(0),
+        "refused_short_batch": np.float32(0),
+    }
+    if distribution is None:
+        trained = model()
+        trained.fit(x[:96], y[:96], batch_size=32, shuffle=False, verbose=0)
+    else:
+        distribution.auto_shard_dataset = True
+        for rows, key, words in (
+            (80, "refused_odd_batches", "process 0 would run 3 steps"),
+            (88, "refused_short_batch", "a last of 8"),
+        ):
+            try:
+                model().fit(Batches(rows), shuffle=False, verbose=0)
+            except ValueError as error:
+                assert words in str(error), error
+                found[key] = np.float32(1)
+        trained = model()
+        try:
+            trained.fit(Batches(96), shuffle=False, verbose=0)
+        except ValueError as error:  # Keras 3.15: tf.data only
+            assert "tf.data.Dataset" in str(error), error
+            found["sharded_refused_by_keras"] = np.float32(1)
+        distribution.auto_shard_dataset = False
+    for i, weight in enumerate(trained.get_weights()):
+        found[f"sharded_weight_{i}"] = weight
+    return found
 
 
 def main(argv):

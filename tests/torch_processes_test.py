@@ -142,6 +142,25 @@ class TorchProcessesTest(testing.TestCase):
                     msg=key,
                 )
 
+    @pytest.mark.skipif(
+        not testing.keras_at_least((3, 16)),
+        reason="several steps per call on PyTorch: Keras 3.16",
+    )
+    def test_several_steps_per_call_from_3_16(self):
+        """Keras 3.16's PyTorch trainer with `steps_per_execution=4` (the
+        guard with a NaN in one process' shard, clipping, inspection): the
+        weights and logs equal one process (in the tests above), and the
+        callbacks see the batch indices Keras' own model shows them with 4
+        steps per call on the global batches."""
+        single = self.saved["single"]
+        name = "steps_per_execution_4"
+        self.assertIn(name, self.configurations())
+        for label in ("process_0", "process_1"):
+            np.testing.assert_array_equal(
+                self.saved[label][f"{name}/batches_seen"],
+                single[f"{name}/keras_batches_seen"],
+            )
+
     def test_logs_equal_one_process_and_each_other(self):
         """Every History entry (training and validation, the figures
         custom_fit reports included: skipped steps and spikes, clip rate,

@@ -14,7 +14,8 @@ without any distribution (the oracle). Each run saves the final weights,
 the epsilon logged by `PrivacyBudget`, the shares of 500 draws of a
 second sampler, whether the configurations that cannot be accounted
 are refused, Keras' own sharding of a `PyDataset` (`keras_sharding`),
-and the results of the writing callbacks' runs (`files_once.py`), to `DIR/<label>.npz` (`process_<i>` or `single`).
+and the results of the writing callbacks' runs (`files_once.py`), to
+`DIR/<label>.npz` (`process_<i>` or `single`).
 """
 
 import contextlib

@@ -42,6 +42,39 @@ flags.mark_flag_as_required("output_dir")
 
 SAMPLES = 119  # global batches of 32, 32, 32 and 23
 GLOBAL_BATCH = 32
+KERAS_3_16 = tuple(int(p) for p in keras.version().split(".")[:2]) >= (3, 16)
+
+
+class BatchesSeen(keras.callbacks.Callback):
+    """Records the batch index of every `on_train_batch_end`."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen.append(batch)
+
+
+def keras_batches_seen(x, y):
+    """The batch indices Keras' own model shows callbacks with 4 steps per
+    call, on the global batches (the oracle)."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((x.shape[1],))
+    model = keras.Model(inputs, keras.layers.Dense(3)(inputs))
+    model.compile(optimizer="sgd", loss="mse", steps_per_execution=4)
+    seen = BatchesSeen()
+    targets = np.zeros((len(x), 3), "float32")
+    model.fit(
+        x,
+        targets,
+        batch_size=GLOBAL_BATCH,
+        epochs=2,
+        shuffle=False,
+        verbose=0,
+        callbacks=[seen],
+    )
+    return np.asarray(seen.seen)
 
 
 class Net(
@@ -189,7 +222,7 @@ def configurations():
         x[GLOBAL_BATCH + 3, 0] = np.nan  # one row, so one process' shard
         return x
 
-    return {
+    found = {
         "clipping_inspection_l2": (
             lambda seed: network(
                 Net,
@@ -311,6 +344,28 @@ def configurations():
         # 0's to the others (compared across processes only).
         "dp_secret_seed": (private(noise_seed=None), plain_sgd(), None),
     }
+    if KERAS_3_16:
+        # Keras 3.16's PyTorch trainer runs several steps per call (a list
+        # of batches); refused before 3.16. Guarded clipping + inspection,
+        # a NaN in one process' shard; the batch indices the callbacks
+        # see are saved too (`fit_extras`).
+        found["steps_per_execution_4"] = (
+            lambda seed: network(
+                Net,
+                seed,
+                global_clipnorm=0.6,
+                skip_nonfinite=True,
+                layer_norms_in_logs=True,
+            ),
+            dict(
+                optimizer=adam(),
+                loss=loss,
+                metrics=["accuracy"],
+                steps_per_execution=4,
+            ),
+            nan_in_batch_one,
+        )
+    return found
 
 
 def _wrapped(model):
@@ -324,6 +379,8 @@ def fit_extras(name, label):
     stop at the same epoch), with `GradientTensorBoard`, `CSVLogger` and
     `ModelCheckpoint` writing to `tb_<label>`, `log_<label>.csv` and
     `checkpoint_<label>.keras` (only the first process writes)."""
+    if name == "steps_per_execution_4":
+        return {"epochs": 2, "callbacks": [BatchesSeen()]}
     if name != "clipping_inspection_l2":
         return {"epochs": 2}
     return {
@@ -612,6 +669,7 @@ def main(argv):
         features = x if transform is None else transform(x)
         labels = y if "pcgrad" not in name else (y, y)
         shard = lambda a: a[rank::world]  # noqa: E731
+        extras = fit_extras(name, label)
         history = model.fit(
             shard(features),
             keras.tree.map_structure(shard, labels),
@@ -624,8 +682,15 @@ def main(argv):
             ),
             shuffle=False,
             verbose=0,
-            **fit_extras(name, label),
+            **extras,
         )
+        if name == "steps_per_execution_4":
+            saved[f"{name}/batches_seen"] = np.asarray(
+                extras["callbacks"][0].seen
+            )
+            # Every process computes it (on the global batches): the test
+            # compares the saved keys of the processes.
+            saved[f"{name}/keras_batches_seen"] = keras_batches_seen(x, y)
         for i, weight in enumerate(model.get_weights()):
             saved[f"{name}/weight_{i}"] = weight
         for key, values in history.history.items():

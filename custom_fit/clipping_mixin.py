@@ -21,6 +21,20 @@ _CLIPPING_OPTIONS = (
 )
 
 
+def _clipping_bound() -> _options.Option:
+    """Returns the declaration of one clipping bound.
+
+    Off (`None`) by default, else finite and greater than 0; schedulable.
+    """
+    return _options.Option(
+        None,
+        _validation.positive_float_or_none,
+        bound=True,
+        kind="clipping",
+        schedulable=True,
+    )
+
+
 class GradientClippingMixin(TrainStepMixin):
     """Clips the true gradients: after unscaling, after the replica sum.
 
@@ -90,41 +104,11 @@ class GradientClippingMixin(TrainStepMixin):
 
     reports = _CLIPPING_OPTIONS  # the value in force of a schedule
 
-    clipvalue = _options.Option(
-        None,
-        _validation.positive_float_or_none,
-        bound=True,
-        kind="clipping",
-        schedulable=True,
-    )
-    clipnorm = _options.Option(
-        None,
-        _validation.positive_float_or_none,
-        bound=True,
-        kind="clipping",
-        schedulable=True,
-    )
-    global_clipnorm = _options.Option(
-        None,
-        _validation.positive_float_or_none,
-        bound=True,
-        kind="clipping",
-        schedulable=True,
-    )
-    layer_clipnorm = _options.Option(
-        None,
-        _validation.positive_float_or_none,
-        bound=True,
-        kind="clipping",
-        schedulable=True,
-    )
-    adaptive_clipping = _options.Option(
-        None,
-        _validation.positive_float_or_none,
-        bound=True,
-        kind="clipping",
-        schedulable=True,
-    )
+    clipvalue = _clipping_bound()
+    clipnorm = _clipping_bound()
+    global_clipnorm = _clipping_bound()
+    layer_clipnorm = _clipping_bound()
+    adaptive_clipping = _clipping_bound()
     adaptive_clipping_eps = _options.Option(
         1e-3,
         _validation.positive_float,

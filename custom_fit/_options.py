@@ -26,6 +26,8 @@ import difflib
 import functools
 import inspect
 import threading
+import types
+import weakref
 from collections.abc import Callable
 from collections.abc import Iterator
 from collections.abc import Sequence
@@ -362,6 +364,62 @@ def declared_reports(cls: type) -> tuple[str, ...]:
     for klass in reversed(cls.__mro__):
         names.update(dict.fromkeys(vars(klass).get("reports", ())))
     return tuple(names)
+
+
+def declaring_class(cls: type, name: str) -> type | None:
+    """Returns the class of `cls`'s MRO whose `reports` claims log `name`.
+
+    A declared name claims itself and its `<name>/...` keys (per-layer
+    figures). `None` when no class declares it.
+    """
+    for klass in cls.__mro__:
+        for declared in vars(klass).get("reports", ()):
+            if name == declared or name.startswith(f"{declared}/"):
+                return klass
+    return None
+
+
+def reporting_class(model: Any, frame: types.FrameType | None) -> type | None:
+    """Returns the class of `model` whose method is reporting.
+
+    The nearest frame from `frame` outwards that runs a method defined in
+    a class of `model`'s MRO, for `model` itself (its `self`); functions
+    nested in a method (a loss function) count as the method. `None` when
+    no such frame is found (a free function reporting for the model).
+    """
+    methods = _methods_of(type(model))
+    while frame is not None:
+        owner = methods.get(frame.f_code)
+        if owner is not None and frame.f_locals.get("self") is model:
+            return owner
+        frame = frame.f_back
+    return None
+
+
+_METHODS: "weakref.WeakKeyDictionary[type, dict[types.CodeType, type]]" = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _methods_of(cls: type) -> dict[types.CodeType, type]:
+    """Maps the code of every function defined in `cls`'s MRO to its class."""
+    found = _METHODS.get(cls)
+    if found is None:
+        found = {}
+        for klass in cls.__mro__:
+            for value in vars(klass).values():
+                for function in (
+                    value,
+                    getattr(value, "__func__", None),  # static, class methods
+                    getattr(value, "fget", None),  # properties
+                ):
+                    if not callable(function):
+                        continue
+                    code = getattr(inspect.unwrap(function), "__code__", None)
+                    if code is not None:
+                        found.setdefault(code, klass)
+        _METHODS[cls] = found
+    return found
 
 
 def pop_options(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:

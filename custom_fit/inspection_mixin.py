@@ -204,7 +204,7 @@ class GradientInspectionMixin(TrainStepMixin):
         figures = _figures.of(self, gradients)
         layer_norms = ops.sqrt(figures.group_squares(owners, state.layers))
         global_norm = figures.norm
-        self._report("grad_norm", global_norm)
+        self.report_metric("grad_norm", global_norm)
         # The step's own figure, for batch-level callbacks (spikes).
         # Not held: a skipped step's own figure (NaN) is what it shows.
         self._report(
@@ -212,14 +212,14 @@ class GradientInspectionMixin(TrainStepMixin):
         )
         if self.layer_norms_in_logs:
             for index, layer in enumerate(state.layers):
-                self._report(f"grad_norm/{layer}", layer_norms[index])
+                self.report_metric(f"grad_norm/{layer}", layer_norms[index])
         if _options.any_set(self, "clipping"):
             clipped_norm = _figures.of(self, transformed_gradients).norm
-            self._report("grad_norm_clipped", clipped_norm)
+            self.report_metric("grad_norm_clipped", clipped_norm)
             # Every clipping only scales down, so it bit if the norm fell
             # (beyond the rounding of two summation orders).
             bit = clipped_norm < global_norm * (1.0 - _ROUNDING)
-            self._report("clip_rate", ops.cast(bit, "float32"))
+            self.report_metric("clip_rate", ops.cast(bit, "float32"))
         optimizer = optimizer or self.optimizer
 
         def record() -> None:

@@ -1134,7 +1134,9 @@ class DifferentialPrivacyMixin(TrainStepMixin):
                 ops.sum(included),
             ]
         )
-        self._report("dp_clipped_fraction", clipped / ops.maximum(total, 1.0))
+        self.report_metric(
+            "dp_clipped_fraction", clipped / ops.maximum(total, 1.0)
+        )
         state = _model_state.state_of(self)
         if state.dp_audit is not None:
             # The canaries' rows, clipped as the examples' are: the global

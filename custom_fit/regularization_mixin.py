@@ -208,14 +208,16 @@ class RegularizationMixin(TrainStepMixin):
         ]
         if model_losses:
             regularization_loss = _gradient_ops.add_all(model_losses)
-            self._report("regularization_loss", regularization_loss, batch_size)
+            self.report_metric(
+                "regularization_loss", regularization_loss, batch_size
+            )
             # Not `-=`: on PyTorch that would change `total` in place.
             unscaled_total = unscaled_total - regularization_loss
-        self._report("data_loss", unscaled_total, batch_size)
+        self.report_metric("data_loss", unscaled_total, batch_size)
         terms = self._penalties(x, y, y_pred, sample_weight, training)
         added = {}
         for name, value in terms.items():
-            self._report(name, value, batch_size)
+            self.report_metric(name, value, batch_size)
             value = ops.cast(value, total.dtype)
             added[name] = value / replicas if replicas > 1 else value
             total = total + added[name]
@@ -314,7 +316,7 @@ class RegularizationMixin(TrainStepMixin):
             ) * self._output_gradient_term(penalty_inputs)
         replicas = backend.current().replica_count()
         for name, value in terms.items():
-            self._report(name, value)
+            self.report_metric(name, value)
             value = ops.cast(value, loss.dtype)
             loss = loss + (value / replicas if replicas > 1 else value)
         return loss

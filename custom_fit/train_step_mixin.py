@@ -1,6 +1,7 @@
 """`TrainStepMixin`: `train_step` and `test_step` as a pipeline of hooks."""
 
 import dataclasses
+import inspect
 import warnings
 from collections.abc import Callable
 from collections.abc import Sequence
@@ -1087,6 +1088,11 @@ class TrainStepMixin(
         name. To log your own loss under `loss`, override `compute_loss`:
         Keras tracks what it returns.
 
+        A mixin owns the names it lists in its class attribute `reports`
+        (each with its `<name>/...` keys): only its own methods report
+        them, and a report from anywhere else (another mixin, the model's
+        class, code outside the model) is refused, naming the owner.
+
         Args:
             name: String. The log key.
             value: Scalar tensor. This step's value.
@@ -1108,8 +1114,8 @@ class TrainStepMixin(
             ValueError: If `reduction` is not one of `"mean"`, `"sum"`,
                 `"last"` and `"step"`, if
                 `name` is already the name of another metric or output of
-                the model or one the model's mixins log (`grad_norm`), or if
-                `value` is not a scalar.
+                the model, or one another class of the model lists in its
+                `reports` (`grad_norm`), or if `value` is not a scalar.
 
         Example:
 
@@ -1130,13 +1136,22 @@ class TrainStepMixin(
                 f"which Keras logs its losses and metrics. Received: "
                 f"name={name!r}. Report it under another name."
             )
-        reserved = _options.declared_reports(type(self))
-        if name in reserved or any(name.startswith(f"{r}/") for r in reserved):
-            raise ValueError(
-                f"The mixins of {type(self).__name__} log {name!r} "
-                "themselves; a report of yours would be averaged with theirs. "
-                f"Received: name={name!r}. Report it under another name."
+        declaring = _options.declaring_class(type(self), name)
+        if declaring is not None:
+            frame = inspect.currentframe()
+            caller = _options.reporting_class(
+                self, frame.f_back if frame is not None else None
             )
+            if caller is not declaring:
+                raise ValueError(
+                    f"{declaring.__name__} logs {name!r} itself (it is in "
+                    f"its `reports`); a report from elsewhere would be "
+                    "averaged with its own. Received: name="
+                    f"{name!r}, reported from "
+                    f"{caller.__name__ if caller else 'outside the model'}. "
+                    "Report it under another name, or declare a name in "
+                    "the `reports` of the mixin that reports it."
+                )
         self._report(name, value, sample_weight, reduction)
 
     def _report(

@@ -354,7 +354,9 @@ class NewcomerTrialTest(testing.TestCase):
             model.compile(optimizer="sgd", loss=testing.sparse_crossentropy())
             x, y = testing.classification_data(samples=8)
             with self.assertRaisesRegex(
-                ValueError, rf"log {name!r} themselves.*Received: name="
+                ValueError,
+                rf"GradientInspectionMixin logs {name!r} itself.*"
+                r"Received: name=.*reported from Reporting",
             ):
                 model.fit(x, y, verbose=0)
 

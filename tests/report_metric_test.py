@@ -349,6 +349,75 @@ class NameClashTest(testing.TestCase):
             model.report_metric("b", 1.0)
 
 
+class CountsUpdates(custom_fit.TrainStepMixin):
+    """A user's mixin that declares the name it logs: `updates_seen`, a
+    sum of 1 per step, and `update_norm/<layer>` per layer."""
+
+    reports = ("updates_seen", "update_norm")
+
+    def transform_gradients(self, gradients, variables):
+        self.report_metric("updates_seen", 1.0, reduction="sum")
+        self.report_metric("update_norm/first", ops.norm(gradients[0]))
+        return super().transform_gradients(gradients, variables)
+
+
+class ClaimsAnothersName(custom_fit.TrainStepMixin):
+    """A second mixin that reports the first one's name."""
+
+    def transform_gradients(self, gradients, variables):
+        self.report_metric("updates_seen", 5.0, reduction="sum")
+        return super().transform_gradients(gradients, variables)
+
+
+class DeclaredNamesTest(testing.TestCase):
+    @parameterized.named_parameters(*testing.EXECUTION_MODES)
+    def test_a_mixin_reports_the_names_it_declares(self, mode):
+        """A mixin of the user's reports its declared `reports` through the
+        public `report_metric`: the sum counts Keras' steps per epoch (its
+        own `optimizer.iterations`), the per-layer key logs; on every mode."""
+
+        class Net(CountsUpdates, keras.Model):
+            pass
+
+        x, y = testing.classification_data(samples=40)
+        model = compiled(testing.mlp(Net), **mode)
+        history = model.fit(
+            x, y, batch_size=16, epochs=2, shuffle=False, verbose=0
+        ).history
+        per_epoch = int(model.optimizer.iterations) / 2
+        self.assertEqual(history["updates_seen"], [per_epoch] * 2)
+        self.assertLen(history["update_norm/first"], 2)
+        self.assertTrue(np.all(np.asarray(history["update_norm/first"]) > 0))
+
+    def test_another_mixin_or_the_model_may_not_report_them(self):
+        """The same name from another mixin, from the model's own class or
+        from outside the model is refused, naming the mixin that declares
+        it and where the report came from."""
+
+        class Both(CountsUpdates, ClaimsAnothersName, keras.Model):
+            pass
+
+        class Own(CountsUpdates, keras.Model):
+            def compute_loss(self, *args, **kwargs):
+                self.report_metric("update_norm/mine", 1.0)
+                return super().compute_loss(*args, **kwargs)
+
+        x, y = testing.classification_data(samples=16)
+        for cls, name, caller in (
+            (Both, "updates_seen", "ClaimsAnothersName"),
+            (Own, "update_norm/mine", "Own"),
+        ):
+            model = compiled(testing.mlp(cls))
+            with self.assertRaisesRegex(
+                ValueError,
+                rf"CountsUpdates logs '{name}' itself.*reported from "
+                rf"{caller}",
+            ):
+                model.fit(x, y, verbose=0)
+        with self.assertRaisesRegex(ValueError, "reported from outside"):
+            compiled(testing.mlp(Own)).report_metric("updates_seen", 1.0)
+
+
 class ThreadTest(testing.TestCase):
     def test_models_fitted_in_parallel_threads_keep_their_names(self):
         """Two models traced at the same time in two threads each log

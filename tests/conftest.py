@@ -21,7 +21,7 @@ BACKEND = os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 # XLA compiles without LLVM's optimizations (TensorFlow's `jit_compile`
 # and JAX, here and in the programs tests start): the suite's steps are
 # tiny, so compiling them costs more than running them. Measured on
-# gradient_clipping_test.py and pcgrad_test.py: JAX 92 s to 72 s,
+# clipping_mixin_test.py and pcgrad_test.py: JAX 92 s to 72 s,
 # TensorFlow 142 s to 123 s.
 if BACKEND in ("tensorflow", "jax"):
     os.environ["XLA_FLAGS"] = (
@@ -117,7 +117,7 @@ def pytest_collection_modifyitems(config, items):
 # Keras' `clear_session` (each test's setUp) runs a full `gc.collect()`,
 # which walks every object the process holds: TensorFlow, JAX or PyTorch
 # and everything earlier tests left cached, hundreds of thousands of
-# objects. Measured on tests/gradient_clipping_test.py (TensorFlow, one
+# objects. Measured on tests/clipping_mixin_test.py (TensorFlow, one
 # process): 57 s of its 107 s were those collections. So what is alive
 # once the test modules are imported, and again after each test (its
 # session cleared, its garbage collected), is frozen (`gc.freeze()`: kept

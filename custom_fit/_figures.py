@@ -17,8 +17,9 @@ every consumer reads them:
 - a transform that knows its output's figures says so (`register`): global
   clipping multiplies every gradient by one factor, so the clipped
   gradients' squares are the input's times the factor squared, and their
-  finiteness that of the input and the factor. Only a transform that does
-  not (a user's) makes the consumers after it take a second pass.
+  finiteness that of the input and the factor. A user's transform does
+  the same through `TrainStepMixin.scale_gradients`; one that makes new
+  tensors otherwise makes the consumers after it take a second pass.
 
 Figures are found by the identity of the gradient tensors (a traced step
 passes the same tensor objects from hook to hook), in pages kept per

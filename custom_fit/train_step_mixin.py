@@ -1059,6 +1059,55 @@ class TrainStepMixin(
 
     # Metrics reported from inside the step.
 
+    def gradient_global_norm(self, gradients: Gradients) -> Tensor:
+        """Returns the global norm of `gradients`, shared within the update.
+
+        Call it from a hook (`transform_gradients`): within one update the
+        squared norms of a list of gradients are computed once and shared
+        by every reader (global clipping, the guard of `skip_nonfinite`,
+        inspection's per-layer norms, and your transform), so asking for
+        the norm of the gradients your hook received costs no second pass
+        over them. Outside a step it computes the norm.
+
+        Args:
+            gradients: List of gradients (`None` entries ignored), as a hook
+                receives them.
+
+        Returns:
+            A float32 scalar tensor: the square root of the sum of every
+            entry's square.
+        """
+        return _figures.of(self, gradients).norm
+
+    def scale_gradients(
+        self, gradients: Gradients, factor: Scalar
+    ) -> Gradients:
+        """Returns `gradients` times one `factor`, with their figures known.
+
+        For a transform that multiplies every gradient by the same scalar
+        (a normalization, a clipping of your own): the hooks after it
+        (the guard, inspection) read the result's norm from the input's
+        and the factor, instead of a second pass over every gradient, as
+        they would for gradients multiplied by `ops.multiply`.
+
+        Args:
+            gradients: List of gradients (`None` kept; sparse ones keep
+                their indices).
+            factor: Python float or scalar tensor.
+
+        Returns:
+            The scaled list, aligned with `gradients`.
+        """
+        present = [g for g in gradients if g is not None]
+        if not present:
+            return list(gradients)
+        figures = _figures.of(self, gradients)
+        factor = ops.cast(factor, "float32")
+        scaled = iter(backend.current().scaled(present, factor))
+        result = [None if g is None else next(scaled) for g in gradients]
+        _figures.register(self, figures.scaled(result, factor))
+        return result
+
     def report_metric(
         self,
         name: str,

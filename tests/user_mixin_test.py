@@ -307,3 +307,82 @@ class DeclaredStateTest(testing.TestCase):
         self.assertEqual(float(testing.to_numpy(model.total)), 0.0)
         with self.assertRaisesRegex(AttributeError, r"\.assign\(value\)"):
             model.total = 1.0
+
+
+class UnitNormMixin(custom_fit.TrainStepMixin):
+    """Scales the gradients to unit global norm through the shared seam."""
+
+    shared = True
+
+    def transform_gradients(self, gradients, variables):
+        norm = self.gradient_global_norm(gradients)
+        if self.shared:
+            gradients = self.scale_gradients(gradients, 1.0 / norm)
+        else:
+            gradients = [g / norm for g in gradients]
+        return super().transform_gradients(gradients, variables)
+
+
+class SharedFiguresTest(testing.TestCase):
+    def test_a_scaled_transform_shares_the_figures(self):
+        """A user's unit-norm transform, the guard and inspection after it
+        (`skip_nonfinite` asks whether the transformed gradients are
+        finite): the weights of
+        one SGD step equal the update by the normalized gradient of the
+        mean squared error written out in NumPy, the logged `grad_norm` is
+        that gradient's norm, and the update takes one pass of squared
+        norms (two when the transform divides with `/` instead of
+        `scale_gradients`)."""
+        from custom_fit import backend
+
+        class Net(
+            UnitNormMixin, custom_fit.GradientInspectionMixin, keras.Model
+        ):
+            pass
+
+        adapter = backend.current()
+        counts = []
+        original = adapter.squared_sums
+
+        def counted(gradients):
+            counts[-1] += 1
+            return original(gradients)
+
+        x = np.linspace(-1, 1, 24, dtype="float32").reshape(8, 3)
+        y = (x @ np.asarray([[1.0], [-2.0], [0.5]], "float32")) + 0.3
+        results = {}
+        for shared in (True, False):
+            keras.utils.set_random_seed(0)
+            inputs = keras.Input((3,))
+            model = Net(
+                inputs, keras.layers.Dense(1)(inputs), skip_nonfinite=True
+            )
+            model.shared = shared
+            model.compile(
+                optimizer=keras.optimizers.SGD(0.1),
+                loss="mse",
+                run_eagerly=True,
+            )
+            kernel, bias = [w.copy() for w in model.get_weights()]
+            counts.append(0)
+            adapter.squared_sums = counted
+            try:
+                history = model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+            finally:
+                adapter.squared_sums = original
+            # The true gradient of the mean squared error, by hand.
+            error = x @ kernel + bias - y
+            grad_kernel = 2 * x.T @ error / len(x)
+            grad_bias = 2 * error.mean(axis=0)
+            norm = np.sqrt((grad_kernel**2).sum() + (grad_bias**2).sum())
+            results[shared] = model.get_weights()
+            self.assertAllClose(
+                results[shared][0],
+                kernel - 0.1 * grad_kernel / norm,
+                atol=1e-6,
+            )
+            self.assertAllClose(
+                results[shared][1], bias - 0.1 * grad_bias / norm, atol=1e-6
+            )
+            self.assertAllClose(history.history["grad_norm"], [norm])
+        self.assertEqual(counts, [1, 2])

@@ -69,6 +69,9 @@ class Option:
             and not `None` or `False`); otherwise it is refused.
         excludes: Tuple of option names that cannot be set together with
             this one (both away from their defaults).
+        required: Bool. The model cannot be built without it: its default
+            must be `None`, and a model whose value is `None` is refused,
+            naming the option.
         schedulable: Bool. The option also accepts a
             `keras.optimizers.schedules.LearningRateSchedule`, evaluated in
             the step at the optimizer's update count: read it in the step
@@ -117,7 +120,14 @@ class Option:
         or_capability: str = "",
         saved: bool = True,
         former_defaults: Sequence[Any] = (),
+        required: bool = False,
     ) -> None:
+        if required and default is not None:
+            raise TypeError(
+                "A required option has no default value: its default must "
+                f"be None. Received: default={default!r}, required=True."
+            )
+        self.required = required
         self.default = default
         self.saved = saved
         self.former_defaults = tuple(former_defaults)
@@ -708,11 +718,18 @@ def _requirements_met(
 
 
 def _check_requirements(instance: object, name: str, option: Option) -> None:
-    """Raises if `name` is set without the options it needs, or with one.
+    """Raises if `name` is missing, or set without or with another option.
 
-    One it `requires` must be set with it, none it `excludes`.
+    A `required` one must be given; one it `requires` must be set with it,
+    none it `excludes`.
     """
     value = getattr(instance, name)
+    if option.required and value is None:
+        owner = option.owner.__name__ if option.owner else "The model"
+        raise ValueError(
+            f"{owner} needs `{name}`. Received: {name}=None. Pass it to "
+            "the model's constructor."
+        )
     if _same(value, option.default):
         return
     options = declared_options(type(instance))

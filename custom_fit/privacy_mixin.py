@@ -515,8 +515,8 @@ class DifferentialPrivacyMixin(TrainStepMixin):
 
     reports = ("dp_clipped_fraction",)
 
-    l2_norm_clip = _options.Option(None, _clip, bound=True)
-    noise_multiplier = _options.Option(None, _noise)
+    l2_norm_clip = _options.Option(None, _clip, bound=True, required=True)
+    noise_multiplier = _options.Option(None, _noise, required=True)
     num_microbatches = _options.Option(None, _validation.positive_int_or_none)
     noise_seed = _options.Option(None, _validation.seed_or_none, saved=False)
     expected_batch_size = _options.Option(
@@ -531,13 +531,6 @@ class DifferentialPrivacyMixin(TrainStepMixin):
     def _configure_options(self, options: dict[str, Any]) -> None:
         """Checks the options; makes the noise's generator and the count."""
         super()._configure_options(options)
-        for name in ("l2_norm_clip", "noise_multiplier"):
-            if getattr(self, name) is None:
-                raise ValueError(
-                    f"DifferentialPrivacyMixin needs `{name}`. Received: "
-                    f"{name}=None. Pass it to the constructor, for example "
-                    "l2_norm_clip=1.0, noise_multiplier=1.1."
-                )
         if self.per_loss_gradients:
             raise ValueError(
                 "DifferentialPrivacyMixin does not combine with "

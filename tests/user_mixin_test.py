@@ -103,6 +103,27 @@ class UserOptionTest(testing.TestCase):
         ):
             testing.mlp(Model, first=2.0, second=1.0)
 
+    def test_required_is_checked(self):
+        """A required option left out is refused when the model is built,
+        naming the mixin and the option; a required option with a default
+        is refused where it is declared."""
+
+        class Needs(custom_fit.TrainStepMixin):
+            rate = options.Option(
+                None, options.positive_float_or_none, required=True
+            )
+
+        class Model(Needs, keras.Model):
+            pass
+
+        self.assertEqual(testing.mlp(Model, rate=0.5).rate, 0.5)
+        with self.assertRaisesRegex(
+            ValueError, r"Needs needs `rate`\. Received: rate=None"
+        ):
+            testing.mlp(Model)
+        with self.assertRaisesRegex(TypeError, r"default=1\.0, required"):
+            options.Option(1.0, required=True)
+
     def test_signature_lists_user_options(self):
         """help() and inspect.signature show the user's options."""
         import inspect

@@ -469,6 +469,17 @@ class LeftOutLossTest(testing.TestCase):
         testing.mlp(Regularized, **private)
 
 
+def budgeted_canary_model():
+    """A compiled canary model of 64 examples with noise 1.0, and a
+    `PrivacyBudget` for batches of 16 at delta 1e-3."""
+    model = canary_model(64, noise_multiplier=1.0)
+    model.compile(optimizer="sgd", loss="mse")
+    budget = custom_fit.callbacks.PrivacyBudget(
+        num_examples=64, batch_size=16, delta=1e-3
+    )
+    return model, budget
+
+
 def gaussian_epsilon(epochs, noise, delta):
     """dp-accounting's epsilon of `epochs` Gaussian mechanisms (RDP)."""
     import dp_accounting
@@ -549,11 +560,7 @@ class PassesTest(testing.TestCase):
         self.assertLen(entries, 8)
         for steps, passes in ((2, 1), (4, 1), (6, 2), (8, 3)):
             self.assertLessEqual(entries[:steps].sum(axis=0).max(), passes)
-        model = canary_model(64, noise_multiplier=1.0)
-        model.compile(optimizer="sgd", loss="mse")
-        budget = custom_fit.callbacks.PrivacyBudget(
-            num_examples=64, batch_size=16, delta=1e-3
-        )
+        model, budget = budgeted_canary_model()
         model.fit(
             ids,
             targets,
@@ -844,11 +851,7 @@ class ReviewedPathsTest(testing.TestCase):
             def on_epoch_end(self, epoch, logs=None):
                 seen.append(logs.get("epsilon"))
 
-        model = canary_model(64, noise_multiplier=1.0)
-        model.compile(optimizer="sgd", loss="mse")
-        budget = custom_fit.callbacks.PrivacyBudget(
-            num_examples=64, batch_size=16, delta=1e-3
-        )
+        model, budget = budgeted_canary_model()
         model.fit(
             ids,
             targets,

@@ -156,15 +156,19 @@ def check_keras_shards(x: Any, steps: int | None, name: str) -> None:
     divide evenly would leave a process waiting in a collective at the
     last step, and a last batch shorter than the first would make a
     global batch of unequal shares (weights and logs silently wrong, each
-    process' logs its own). A `PyDataset`'s first and last batches are
-    read once here for their rows. The same decision in every process:
-    each holds the whole `PyDataset`. Does nothing in one process, or for
-    other data (Keras refuses arrays and `DataLoader`s there itself).
+    process' logs its own). Every batch counts, `steps_per_epoch` or not:
+    Keras keeps one iterator over the epochs then, and a later epoch
+    reaches the tail. A `PyDataset`'s first and last batches are read here
+    for their rows (batches of unequal rows between them are not seen,
+    nor a `__getitem__` whose rows vary from call to call). The same
+    decision in every process: each holds the whole `PyDataset`. Does
+    nothing in one process, or for other data (Keras refuses arrays and
+    `DataLoader`s there itself).
 
     Args:
         x: The data (`fit`'s, its validation data, `evaluate`'s).
         steps: `steps_per_epoch` (or `validation_steps`, `steps`), or
-            `None`.
+            `None`: it changes nothing (see above).
         name: The data's name in messages (`"training"`, ...).
 
     Raises:
@@ -184,25 +188,25 @@ def check_keras_shards(x: Any, steps: int | None, name: str) -> None:
             f"{distribution} with auto_shard_dataset=True. "
             "Set `distribution.auto_shard_dataset = False` before `fit`."
         )
+    del steps  # Keras keeps one iterator over the epochs: every batch runs
     batches = x.num_batches
     if batches is None:
         return  # infinite or unknown: `steps` decides, alike everywhere
-    used = batches if steps is None else min(batches, int(steps) * shards)
     fix = (
         f"Give it a multiple of {shards} batches of equal rows (drop the "
         "short last batch), or set `distribution.auto_shard_dataset = "
         "False` and feed each process its share of every global batch."
     )
-    if used % shards:
+    if batches % shards:
         raise ValueError(
             f"Keras deals the {name} PyDataset's batches to the {shards} "
-            "processes in turn, so with "
-            f"{used} batches process 0 would run {-(-used // shards)} steps "
-            f"and the last {used // shards}, left waiting in a collective. "
-            f"Received: {used} {name} batches, {shards} processes, "
+            f"processes in turn, so with {batches} batches process 0 would "
+            f"run {-(-batches // shards)} steps and the last "
+            f"{batches // shards}, left waiting in a collective. "
+            f"Received: {batches} {name} batches, {shards} processes, "
             f"auto_shard_dataset=True. {fix}"
         )
-    first, last = _rows(x[0]), _rows(x[used - 1])
+    first, last = _rows(x[0]), _rows(x[batches - 1])
     if first != last:
         raise ValueError(
             f"Keras deals the {name} PyDataset's batches to the {shards} "

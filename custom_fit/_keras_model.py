@@ -335,9 +335,6 @@ class KerasModel(_ModelBase):
         _options.refuse_options_in_call(type(self), "evaluate", kwargs)
         if backend.current().data_shards()[0] > 1:
             arguments = KERAS_EVALUATE.bind(self, *args, **kwargs).arguments
-            _fit_data.check_keras_shards(
-                arguments.get("x"), arguments.get("steps"), "evaluation"
-            )
             _fit_data.check_processes_agree(
                 {
                     "evaluation": _fit_data.batches_per_epoch(
@@ -347,6 +344,9 @@ class KerasModel(_ModelBase):
                     )
                 },
                 arguments.get("x"),
+            )
+            _fit_data.check_keras_shards(
+                arguments.get("x"), arguments.get("steps"), "evaluation"
             )
         return super().evaluate(*args, **kwargs)
 

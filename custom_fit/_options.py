@@ -27,7 +27,6 @@ import functools
 import inspect
 import threading
 import types
-import weakref
 from collections.abc import Callable
 from collections.abc import Iterator
 from collections.abc import Sequence
@@ -376,26 +375,31 @@ def declared_reports(cls: type) -> tuple[str, ...]:
     return tuple(names)
 
 
-def declaring_class(cls: type, name: str) -> type | None:
-    """Returns the class of `cls`'s MRO whose `reports` claims log `name`.
+def declaring_classes(cls: type, name: str) -> tuple[type, ...]:
+    """Returns the classes of `cls`'s MRO whose own `reports` claim `name`.
 
     A declared name claims itself and its `<name>/...` keys (per-layer
-    figures). `None` when no class declares it.
+    figures). Empty when no class declares it.
     """
-    for klass in cls.__mro__:
-        for declared in vars(klass).get("reports", ()):
-            if name == declared or name.startswith(f"{declared}/"):
-                return klass
-    return None
+    return tuple(
+        klass
+        for klass in cls.__mro__
+        if any(
+            name == declared or name.startswith(f"{declared}/")
+            for declared in vars(klass).get("reports", ())
+        )
+    )
 
 
 def reporting_class(model: Any, frame: types.FrameType | None) -> type | None:
     """Returns the class of `model` whose method is reporting.
 
-    The nearest frame from `frame` outwards that runs a method defined in
-    a class of `model`'s MRO, for `model` itself (its `self`); functions
-    nested in a method (a loss function) count as the method. `None` when
-    no such frame is found (a free function reporting for the model).
+    The nearest frame from `frame` outwards that runs a function defined
+    in a class of `model`'s MRO (the class its `__qualname__` names, so an
+    alias in a subclass still counts as its own class'), for `model`
+    itself (its `self`); functions nested in a method (a loss function)
+    count as the method. `None` when no such frame is found (a free
+    function reporting for the model).
     """
     methods = _methods_of(type(model))
     while frame is not None:
@@ -406,29 +410,40 @@ def reporting_class(model: Any, frame: types.FrameType | None) -> type | None:
     return None
 
 
-_METHODS: "weakref.WeakKeyDictionary[type, dict[types.CodeType, type]]" = (
-    weakref.WeakKeyDictionary()
-)
+# Per model class; emptied past a bound (classes made in loops, tests).
+_METHODS: dict[type, dict[types.CodeType, type]] = {}
 
 
 def _methods_of(cls: type) -> dict[types.CodeType, type]:
     """Maps the code of every function defined in `cls`'s MRO to its class."""
     found = _METHODS.get(cls)
     if found is None:
-        found = {}
-        for klass in cls.__mro__:
-            for value in vars(klass).values():
-                for function in (
-                    value,
-                    getattr(value, "__func__", None),  # static, class methods
-                    getattr(value, "fget", None),  # properties
-                ):
-                    if not callable(function):
-                        continue
-                    code = getattr(inspect.unwrap(function), "__code__", None)
-                    if code is not None:
-                        found.setdefault(code, klass)
-        _METHODS[cls] = found
+        if len(_METHODS) >= 256:
+            _METHODS.clear()
+        found = _METHODS[cls] = _functions_of(cls)
+    return found
+
+
+def _functions_of(cls: type) -> dict[types.CodeType, type]:
+    """`_methods_of`, computed."""
+    by_name = {klass.__qualname__: klass for klass in cls.__mro__}
+    found: dict[types.CodeType, type] = {}
+    for klass in cls.__mro__:
+        for value in vars(klass).values():
+            for function in (
+                value,
+                getattr(value, "__func__", None),  # static, class methods
+                getattr(value, "fget", None),  # properties
+            ):
+                if not callable(function):
+                    continue
+                function = inspect.unwrap(function)
+                code = getattr(function, "__code__", None)
+                if code is None:
+                    continue
+                qualname = getattr(function, "__qualname__", "")
+                defined_in = by_name.get(qualname.rpartition(".")[0], klass)
+                found.setdefault(code, defined_in)
     return found
 
 

@@ -5,6 +5,7 @@ from typing import Any
 
 import keras
 
+from custom_fit import _keras_compat
 from custom_fit._types import Variable
 
 _Layers = Any  # a layer, a layer name, or a list of them
@@ -77,7 +78,7 @@ class MultiOptimizer(keras.optimizers.Optimizer):
     @property
     def variables(self) -> list[Variable]:
         """Its own variables (the update count), then every group's."""
-        found = list(self._variables)
+        found = list(super().variables)
         for optimizer in self.optimizers:
             found.extend(optimizer.variables)
         return found
@@ -149,7 +150,9 @@ class MultiOptimizer(keras.optimizers.Optimizer):
                 built with).
         """
         if trainable_variables is None:
-            trainable_variables = self._trainable_variables
+            trainable_variables = _keras_compat.optimizer_trainable_variables(
+                self
+            )
         trainable_variables = list(trainable_variables)
         if not self.built:
             self.build(trainable_variables)
@@ -161,7 +164,7 @@ class MultiOptimizer(keras.optimizers.Optimizer):
             ]
             if pairs:
                 optimizer.apply([g for g, _ in pairs], [v for _, v in pairs])
-        self._iterations.assign_add(1)
+        self.iterations.assign_add(1)
 
     def finalize_variable_values(self, var_list: Sequence[Variable]) -> None:
         """Lets each group's optimizer finalize its variables.

@@ -614,9 +614,12 @@ class DifferentialPrivacyMixin(TrainStepMixin):
             arguments["callbacks"] = list(keras.tree.flatten(callbacks))
         accumulation = self.gradient_accumulation_steps or 1
         run = _across_processes(_training_run(arguments, accumulation))
+        given = arguments.get("callbacks")
+        if isinstance(given, keras.callbacks.CallbackList):
+            given = given.callbacks
         budgets = [
             callback
-            for callback in arguments.get("callbacks") or ()
+            for callback in given or ()
             if isinstance(callback, callbacks_module.PrivacyBudget)
         ]
         run = privacy.stated_run(run, budgets, accumulation)
@@ -660,7 +663,10 @@ class DifferentialPrivacyMixin(TrainStepMixin):
         resumed = _ResumedRun(self, x if _fit_data.is_sampler(x) else None)
         callbacks = arguments.get("callbacks")
         if isinstance(callbacks, keras.callbacks.CallbackList):
-            callbacks.append(resumed)
+            # The same order in the caller's list (its model and params
+            # are set when `fit` begins).
+            others = [c for c in callbacks.callbacks if c not in budgets]
+            callbacks.callbacks = [*budgets, *others, resumed]
         else:
             # The budgets first, so that every other callback's logs hold
             # the epoch's epsilon (they read the steps run when the first

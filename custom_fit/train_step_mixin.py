@@ -1088,7 +1088,10 @@ class TrainStepMixin(
         (a normalization, a clipping of your own): the hooks after it
         (the guard, inspection) read the result's norm from the input's
         and the factor, instead of a second pass over every gradient, as
-        they would for gradients multiplied by `ops.multiply`.
+        they would for gradients multiplied by `ops.multiply`. (Float32
+        gradients; in another dtype, such as float16 under mixed
+        precision, the product's rounding differs from the derived figures
+        and the readers after it take their own pass.)
 
         Args:
             gradients: List of gradients (`None` kept; sparse ones keep
@@ -1097,7 +1100,16 @@ class TrainStepMixin(
 
         Returns:
             The scaled list, aligned with `gradients`.
+
+        Raises:
+            ValueError: If `factor` is not a scalar.
         """
+        if len(ops.shape(factor)) != 0:
+            raise ValueError(
+                "scale_gradients multiplies every gradient by one scalar. "
+                f"Received: a factor of shape {tuple(ops.shape(factor))}. "
+                "Pass a float or a scalar tensor."
+            )
         present = [g for g in gradients if g is not None]
         if not present:
             return list(gradients)
@@ -1105,7 +1117,21 @@ class TrainStepMixin(
         factor = ops.cast(factor, "float32")
         scaled = iter(backend.current().scaled(present, factor))
         result = [None if g is None else next(scaled) for g in gradients]
-        _figures.register(self, figures.scaled(result, factor))
+        if all(
+            keras.backend.standardize_dtype(g.dtype) in ("float32", "float64")
+            for g in present
+        ):
+            # Squares and norm from the input's and the factor (float32
+            # products match them); finiteness from the derived squares:
+            # a finite sum proves every entry finite, else each is read.
+            _figures.register(
+                self,
+                _figures.Figures(
+                    result,
+                    squares=lambda: figures.squares * ops.square(factor),
+                    norm=lambda: figures.norm * ops.abs(factor),
+                ),
+            )
         return result
 
     def report_metric(
@@ -1138,9 +1164,11 @@ class TrainStepMixin(
         Keras tracks what it returns.
 
         A mixin owns the names it lists in its class attribute `reports`
-        (each with its `<name>/...` keys): only its own methods report
-        them, and a report from anywhere else (another mixin, the model's
-        class, code outside the model) is refused, naming the owner.
+        (each with its `<name>/...` keys): only the methods of a class that
+        lists the name report it, and a report from anywhere else (another
+        mixin, the model's class, code outside the model) is refused,
+        naming the owner. A subclass that reports a name of its base lists
+        it in its own `reports` too.
 
         Args:
             name: String. The log key.
@@ -1185,21 +1213,24 @@ class TrainStepMixin(
                 f"which Keras logs its losses and metrics. Received: "
                 f"name={name!r}. Report it under another name."
             )
-        declaring = _options.declaring_class(type(self), name)
-        if declaring is not None:
+        declaring = _options.declaring_classes(type(self), name)
+        if declaring:
             frame = inspect.currentframe()
-            caller = _options.reporting_class(
-                self, frame.f_back if frame is not None else None
-            )
-            if caller is not declaring:
+            try:
+                caller = _options.reporting_class(
+                    self, frame.f_back if frame is not None else None
+                )
+            finally:
+                del frame  # no cycle holding the callers' locals
+            if caller not in declaring:
                 raise ValueError(
-                    f"{declaring.__name__} logs {name!r} itself (it is in "
-                    f"its `reports`); a report from elsewhere would be "
+                    f"{declaring[-1].__name__} logs {name!r} itself (it is "
+                    f"in its `reports`); a report from elsewhere would be "
                     "averaged with its own. Received: name="
                     f"{name!r}, reported from "
                     f"{caller.__name__ if caller else 'outside the model'}. "
-                    "Report it under another name, or declare a name in "
-                    "the `reports` of the mixin that reports it."
+                    "Report it under another name, or list it in the "
+                    "`reports` of the class whose method reports it."
                 )
         self._report(name, value, sample_weight, reduction)
 

@@ -37,7 +37,9 @@ the epochs done and their logs); `--resume_from=<checkpoint directory>`
 continues a run from one, and Ray resumes from the latest itself when it
 restarts a failed run. `--workers=1` trains in this process without Ray
 (the reference): on the same global batches it ends on the same weights,
-with the same logs.
+with the same logs (with `--private`: given `--seed`, the same weights,
+epsilon, clipped fraction and accuracy; the loss log counts each
+worker's padding rows and differs).
 """
 
 import contextlib
@@ -381,8 +383,8 @@ def main(argv):
         "ray": _WORKERS.value > 1,
     }
     if config["private"] and (config["plain"] or config["resume_from"]):
-        # A private run resumed would also need the sampler's epochs and
-        # the accountant's steps so far; this example does not keep them.
+        # Resuming a private run is not part of this example (nor of its
+        # test): refused rather than left untried.
         raise app.UsageError(
             "--private cannot be combined with --plain or --resume_from."
         )

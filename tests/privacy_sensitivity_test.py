@@ -839,33 +839,40 @@ class ReviewedPathsTest(testing.TestCase):
         """Keras' CSVLogger and a callback listed before the PrivacyBudget
         find the epoch's epsilon in their logs: dp-accounting's epsilon of
         one Gaussian mechanism per pass (shuffled batches). Listed in the
-        user's order, both would miss it."""
+        user's order, both would miss it. The same with the callbacks
+        given as a Keras `CallbackList`."""
         import csv
         import tempfile
 
         ids, targets = canary_data(64)
-        path = os.path.join(tempfile.mkdtemp(), "log.csv")
-        seen = []
-
-        class Record(keras.callbacks.Callback):
-            def on_epoch_end(self, epoch, logs=None):
-                seen.append(logs.get("epsilon"))
-
-        model, budget = budgeted_canary_model()
-        model.fit(
-            ids,
-            targets,
-            batch_size=16,
-            epochs=2,
-            verbose=0,
-            callbacks=[[keras.callbacks.CSVLogger(path), Record()], budget],
-        )
         expected = [gaussian_epsilon(k, 1.0, 1e-3) for k in (1, 2)]
-        with open(path) as handle:
-            logged = [float(row["epsilon"]) for row in csv.DictReader(handle)]
-        self.assertAllClose(logged, expected, rtol=1e-6)
-        self.assertAllClose(seen, expected, rtol=1e-6)
+        for given_as in ("list", "CallbackList"):
+            path = os.path.join(tempfile.mkdtemp(), "log.csv")
+            class Record(keras.callbacks.Callback):
+                seen = []
 
+                def on_epoch_end(self, epoch, logs=None):
+                    self.seen.append(logs.get("epsilon"))
+
+            record = Record()
+            model, budget = budgeted_canary_model()
+            callbacks = [[keras.callbacks.CSVLogger(path), record], budget]
+            if given_as == "CallbackList":
+                callbacks = keras.callbacks.CallbackList(
+                    callbacks, model=model, epochs=2
+                )
+            model.fit(
+                ids,
+                targets,
+                batch_size=16,
+                epochs=2,
+                verbose=0,
+                callbacks=callbacks,
+            )
+            with open(path) as handle:
+                logged = [float(r["epsilon"]) for r in csv.DictReader(handle)]
+            self.assertAllClose(logged, expected, rtol=1e-6, msg=given_as)
+            self.assertAllClose(record.seen, expected, rtol=1e-6, msg=given_as)
 
 @pytest.mark.torch
 class PaddedSharesTest(testing.TestCase):

@@ -2,8 +2,8 @@
 
 `Adapter` lists each function (and the one class) an adapter module
 defines, with its meaning; `tests/backend_contract_test.py` checks that
-every adapter provides exactly these names, with these parameters, and the
-type checker checks each module against the protocol. The core calls the
+every adapter provides exactly these names, with these parameters (by
+importing each). The core calls the
 adapter of the backend in use through `custom_fit.backend.current()` and
 never names a backend itself.
 

@@ -417,6 +417,34 @@ class DeclaredNamesTest(testing.TestCase):
         with self.assertRaisesRegex(ValueError, "reported from outside"):
             compiled(testing.mlp(Own)).report_metric("updates_seen", 1.0)
 
+    def test_a_subclass_that_lists_a_base_name_and_an_alias_report_it(self):
+        """A subclass of a mixin that lists the base's name in its own
+        `reports` may report it, and the base still does; a method of the
+        mixin aliased in the model's class stays the mixin's."""
+
+        class MoreUpdates(CountsUpdates):
+            reports = (*CountsUpdates.reports, "updates_twice")
+
+            def transform_gradients(self, gradients, variables):
+                self.report_metric("update_norm/second", 1.0)
+                self.report_metric("updates_twice", 2.0, reduction="sum")
+                return super().transform_gradients(gradients, variables)
+
+        class Net(MoreUpdates, keras.Model):
+            pass
+
+        class Aliased(CountsUpdates, keras.Model):
+            transform_gradients = CountsUpdates.transform_gradients
+
+        x, y = testing.classification_data(samples=16)
+        history = compiled(testing.mlp(Net)).fit(x, y, verbose=0).history
+        self.assertEqual(
+            history["updates_twice"], [2 * history["updates_seen"][0]]
+        )
+        self.assertIn("update_norm/second", history)
+        history = compiled(testing.mlp(Aliased)).fit(x, y, verbose=0).history
+        self.assertIn("updates_seen", history)
+
 
 class ThreadTest(testing.TestCase):
     def test_models_fitted_in_parallel_threads_keep_their_names(self):

@@ -407,3 +407,11 @@ class SharedFiguresTest(testing.TestCase):
             )
             self.assertAllClose(history.history["grad_norm"], [norm])
         self.assertEqual(counts, [1, 2])
+
+    def test_a_factor_that_is_not_a_scalar_is_refused(self):
+        """`scale_gradients` multiplies by one scalar: a vector factor is
+        refused, with its shape."""
+        model = testing.mlp(type("Net", (UnitNormMixin, keras.Model), {}))
+        gradients = [np.ones((2, 2), "float32")]
+        with self.assertRaisesRegex(ValueError, r"factor of shape \(2,\)"):
+            model.scale_gradients(gradients, np.ones((2,), "float32"))

@@ -92,15 +92,17 @@ class RayTrainTest(testing.TestCase):
         and optimizer state of one process (atol 1e-6), with the epsilon
         the accountant gives one process every epoch (dp-accounting's RDP
         epsilon of the Poisson-subsampled Gaussian, computed here), the
-        same clipped fractions and (weighted) accuracy. On TensorFlow,
-        where each worker would draw its own batches, custom_fit refuses
-        the sampler, naming the fix."""
+        same clipped fractions and (weighted) accuracy. Not on TensorFlow:
+        there each worker would draw its own batches and custom_fit
+        refuses the sampler before the first step, as tested over real
+        `MultiWorkerMirroredStrategy` workers in `multi_worker_test.py`
+        (a Ray run adds 50-90 s to the suite for the same check)."""
         if keras.backend.backend() == "tensorflow":
-            with self.assertRaisesRegex(
-                AssertionError, "cannot be fed over several tf.distribute"
-            ):
-                run("--workers=2", "--epochs=1", "--private", "--seed=5")
-            return
+            self.skipTest(
+                "TensorFlow refuses a PoissonSampler over several workers: "
+                "tests/multi_worker_test.py::"
+                "test_files_written_once_and_sampler_refused"
+            )
         one, two = tempfile.mkdtemp(), tempfile.mkdtemp()
         flags = ("--epochs=2", "--private", "--seed=5")
         run("--workers=1", *flags, f"--output_dir={one}")

@@ -883,6 +883,8 @@ def audit_of_fit(model: Any, arguments: dict[str, Any]) -> Any:
         ValueError: Naming what is missing or refused.
     """
     callbacks = arguments.get("callbacks") or ()
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        callbacks = callbacks.callbacks
     audits = [c for c in callbacks if isinstance(c, CanaryAudit)]
     x = arguments.get("x")
     validation = arguments.get("validation_data")

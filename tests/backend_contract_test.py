@@ -74,7 +74,8 @@ class BackendContractTest(testing.TestCase):
 
     def test_core_names_no_backend(self):
         """Outside `custom_fit/backend/`, no module imports a backend
-        library (but for tools such as tf.summary) or compares against a
+        library (but for tools such as tf.summary) or an adapter module by
+        name (`from custom_fit.backend import jax`), or compares against a
         backend's name."""
         found = []
         checked = []
@@ -184,6 +185,27 @@ def _backend_names(root, path):
             top = module.split(".")[0]
             if top in _BACKEND_NAMES and top not in allowed:
                 found.append(f"{path}:{node.lineno} imports {module}")
+        # An adapter module taken by name (`from custom_fit.backend import
+        # jax`, `import custom_fit.backend.torch`): the core reaches the
+        # adapter of the backend in use through `backend.current()` only.
+        adapters = []
+        if isinstance(node, ast.ImportFrom) and node.module in (
+            "custom_fit.backend",
+            "backend",
+        ):
+            adapters = [alias.name for alias in node.names]
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [alias.name for alias in node.names]
+            if isinstance(node, ast.ImportFrom):
+                names.append(node.module or "")
+            adapters = [
+                name.split(".")[-1]
+                for name in names
+                if name.startswith("custom_fit.backend.")
+            ]
+        for adapter in adapters:
+            if adapter.lstrip("_").split("_")[0] in _BACKEND_NAMES:
+                found.append(f"{path}:{node.lineno} imports adapter {adapter}")
         if isinstance(node, ast.Compare):
             for value in (node.left, *node.comparators):
                 if (

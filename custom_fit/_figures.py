@@ -149,25 +149,36 @@ class Figures:
         return sums[: len(order)]
 
     def scaled(
-        self, gradients: Sequence[Gradient], factor: Tensor
+        self,
+        gradients: Sequence[Gradient],
+        factor: Tensor,
+        at_most_one: bool = True,
     ) -> "Figures":
         """Returns the figures of `gradients`, this list times `factor`.
 
         Args:
             gradients: The scaled list (`None` where this one has `None`).
             factor: Float32 scalar tensor, the common factor.
+            at_most_one: Whether `|factor| <= 1` (clipping): the product is
+                then finite when these and the factor are. Otherwise its
+                finiteness is that of the derived squares (a finite sum
+                proves every entry finite; else each entry is read).
 
         The derived figures are computed when first read.
 
         Returns:
-            `Figures` whose squares are these times `factor ** 2` and which
-            are finite when these and the factor are.
+            `Figures` whose squares are these times `factor ** 2`.
         """
+        finite = None
+        if at_most_one:
+            finite = lambda: ops.logical_and(  # noqa: E731
+                self.finite, ops.isfinite(factor)
+            )
         return Figures(
             gradients,
             # Derived when read (no consumer may ask: clipping alone).
             squares=lambda: self.squares * ops.square(factor),
-            finite=lambda: ops.logical_and(self.finite, ops.isfinite(factor)),
+            finite=finite,
             norm=lambda: self.norm * ops.abs(factor),
         )
 

@@ -1121,16 +1121,9 @@ class TrainStepMixin(
             keras.backend.standardize_dtype(g.dtype) in ("float32", "float64")
             for g in present
         ):
-            # Squares and norm from the input's and the factor (float32
-            # products match them); finiteness from the derived squares:
-            # a finite sum proves every entry finite, else each is read.
+            # Float32 products match the derived figures; any factor.
             _figures.register(
-                self,
-                _figures.Figures(
-                    result,
-                    squares=lambda: figures.squares * ops.square(factor),
-                    norm=lambda: figures.norm * ops.abs(factor),
-                ),
+                self, figures.scaled(result, factor, at_most_one=False)
             )
         return result
 

@@ -141,6 +141,54 @@ def _across_processes(run: privacy.TrainingRun) -> privacy.TrainingRun:
     )
 
 
+def _check_run_seen_over_processes(
+    x: Any, run: privacy.TrainingRun, accounted: bool
+) -> None:
+    """Refuses accounting over processes that custom_fit cannot check.
+
+    Where several processes each feed `fit` (`torch.distributed`; JAX
+    under a `keras.distribution`), the accountant needs the global run:
+    custom_fit derives it from arrays (each process' share) and a
+    `PoissonSampler` (one draw shared). For data it cannot see into, a
+    `PrivacyBudget`'s stated `batch_size` could be one process' batch or
+    the global one, and a batch half the global one counts half the
+    passes: refused. So is a `PyDataset` that Keras deals to the
+    processes itself (Keras 3.16's `auto_shard_dataset`): each process'
+    `len` is not its steps. One process: nothing to refuse.
+
+    Args:
+        x: `fit`'s data.
+        run: This process' `TrainingRun`.
+        accounted: Whether a `PrivacyBudget` or calibrated noise accounts
+            the run.
+
+    Raises:
+        ValueError: Naming the data and the fix.
+    """
+    if backend.current().data_shards()[0] == 1 or not accounted:
+        return
+    fix = (
+        "Feed each process its share of arrays (`x[rank::world]`) or a "
+        "custom_fit.sampling.PoissonSampler of the whole data in every "
+        "process, with `auto_shard_dataset = False` on JAX."
+    )
+    if _fit_data.keras_shards() > 1 and isinstance(x, keras.utils.PyDataset):
+        raise ValueError(
+            "A private fit over several processes cannot be accounted when "
+            "Keras deals a PyDataset's batches to the processes (each "
+            "process' batch count is not its steps). Received: a "
+            f"{type(x).__name__} with auto_shard_dataset=True. {fix}"
+        )
+    if run.sampling is None:
+        raise ValueError(
+            "A private fit over several processes is accounted on the "
+            "global batches, and custom_fit cannot tell them from "
+            f"{run.described}: a PrivacyBudget's batch_size could be one "
+            "process' batch, and the accountant would count too few "
+            f"passes. Received: {run.described}. {fix}"
+        )
+
+
 def _strictest_over_processes(found: _independence.Probe) -> Any:
     """The strictest verdict of every process' check (one collective).
 
@@ -607,21 +655,27 @@ class DifferentialPrivacyMixin(TrainStepMixin):
         """
         arguments = _keras_model.fit_arguments(self, args, kwargs)
         callbacks = arguments.get("callbacks")
-        if callbacks is not None and not isinstance(
-            callbacks, keras.callbacks.CallbackList
-        ):
+        if isinstance(callbacks, keras.callbacks.CallbackList):
+            listed = callbacks.callbacks
+        else:
             # Nested lists too, as `keras.Model.fit` takes them.
-            arguments["callbacks"] = list(keras.tree.flatten(callbacks))
-        accumulation = self.gradient_accumulation_steps or 1
-        run = _across_processes(_training_run(arguments, accumulation))
-        given = arguments.get("callbacks")
-        if isinstance(given, keras.callbacks.CallbackList):
-            given = given.callbacks
+            listed = list(keras.tree.flatten(callbacks or []))
+            if callbacks is not None:
+                arguments["callbacks"] = listed
         budgets = [
             callback
-            for callback in given or ()
+            for callback in listed
             if isinstance(callback, callbacks_module.PrivacyBudget)
         ]
+        accumulation = self.gradient_accumulation_steps or 1
+        run = _training_run(arguments, accumulation)
+        _check_run_seen_over_processes(
+            arguments.get("x"),
+            run,
+            bool(budgets)
+            or isinstance(self.noise_multiplier, privacy.CalibratedNoise),
+        )
+        run = _across_processes(run)
         run = privacy.stated_run(run, budgets, accumulation)
         _check_windows(arguments, accumulation, run.sampling)
         _check_padded_shares(arguments.get("x"))
@@ -661,19 +715,22 @@ class DifferentialPrivacyMixin(TrainStepMixin):
         )
         x = arguments.get("x")
         resumed = _ResumedRun(self, x if _fit_data.is_sampler(x) else None)
+        # The budgets first, so that every other callback's logs hold the
+        # epoch's epsilon (they read the steps run when the first epoch
+        # begins, after any restore); the resumed run's keys last, after
+        # the user's (`BackupAndRestore` restores first). A `CallbackList`
+        # is reordered in place (its model is set already).
         callbacks = arguments.get("callbacks")
+        listed = getattr(callbacks, "callbacks", callbacks) or []
+        ordered = [
+            *budgets,
+            *[c for c in listed if c not in budgets],
+            resumed,
+        ]
         if isinstance(callbacks, keras.callbacks.CallbackList):
-            # The same order in the caller's list (its model and params
-            # are set when `fit` begins).
-            others = [c for c in callbacks.callbacks if c not in budgets]
-            callbacks.callbacks = [*budgets, *others, resumed]
+            callbacks.callbacks = ordered
         else:
-            # The budgets first, so that every other callback's logs hold
-            # the epoch's epsilon (they read the steps run when the first
-            # epoch begins, after any restore); the resumed run's keys
-            # last, after the user's (`BackupAndRestore` restores first).
-            others = [c for c in callbacks or () if c not in budgets]
-            arguments["callbacks"] = [*budgets, *others, resumed]
+            arguments["callbacks"] = ordered
         state.dp_run = run
         started = self.private_steps
         if slot is not None:

@@ -848,6 +848,7 @@ class ReviewedPathsTest(testing.TestCase):
         expected = [gaussian_epsilon(k, 1.0, 1e-3) for k in (1, 2)]
         for given_as in ("list", "CallbackList"):
             path = os.path.join(tempfile.mkdtemp(), "log.csv")
+
             class Record(keras.callbacks.Callback):
                 seen = []
 
@@ -873,6 +874,53 @@ class ReviewedPathsTest(testing.TestCase):
                 logged = [float(r["epsilon"]) for r in csv.DictReader(handle)]
             self.assertAllClose(logged, expected, rtol=1e-6, msg=given_as)
             self.assertAllClose(record.seen, expected, rtol=1e-6, msg=given_as)
+
+
+class AccountedOverProcessesTest(testing.TestCase):
+    def test_data_the_accountant_cannot_see_into_is_refused(self):
+        """Over several processes (this process playing one of two), a
+        budget's stated batch size for a generator could be one process'
+        batch (half the passes counted): refused before any step, and so
+        is a PyDataset that Keras deals to the processes itself."""
+        from unittest import mock
+
+        from custom_fit import _fit_data
+        from custom_fit import backend
+
+        ids, targets = canary_data(64)
+
+        def generator():
+            while True:
+                yield ids[:16], targets[:16]
+
+        class Batches(keras.utils.PyDataset):
+            def __len__(self):
+                return 4
+
+            def __getitem__(self, index):
+                rows = slice(16 * index, 16 * (index + 1))
+                return ids[rows], targets[rows]
+
+        adapter = backend.current()
+        with mock.patch.object(adapter, "data_shards", lambda: (2, 0)):
+            model, budget = budgeted_canary_model()
+            budget = custom_fit.callbacks.PrivacyBudget(
+                num_examples=64, batch_size=16, delta=1e-3, sampling="shuffle"
+            )
+            with self.assertRaisesRegex(ValueError, "cannot tell them from"):
+                model.fit(
+                    generator(),
+                    steps_per_epoch=2,
+                    verbose=0,
+                    callbacks=[budget],
+                )
+            with mock.patch.object(_fit_data, "keras_shards", lambda: 2):
+                with self.assertRaisesRegex(
+                    ValueError, "Keras deals a PyDataset's batches"
+                ):
+                    model.fit(Batches(), verbose=0, callbacks=[budget])
+        self.assertEqual(int(model.optimizer.iterations), 0)
+
 
 @pytest.mark.torch
 class PaddedSharesTest(testing.TestCase):

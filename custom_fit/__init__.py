@@ -22,7 +22,7 @@ from custom_fit.clipping_mixin import GradientClippingMixin
 from custom_fit.inspection_mixin import GradientInspectionMixin
 from custom_fit.multi_optimizer import MultiOptimizer
 from custom_fit.pcgrad_mixin import PCGradMixin
-from custom_fit.privacy_mixin import DifferentialPrivacyMixin
+from custom_fit.privacy.privacy_mixin import DifferentialPrivacyMixin
 from custom_fit.regularization_mixin import RegularizationMixin
 from custom_fit.sharpness_mixin import SharpnessAwareMixin
 from custom_fit.train_step_mixin import BatchLoss

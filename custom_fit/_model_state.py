@@ -62,7 +62,7 @@ class ModelState:
         # Whether fit tried the model on a batch (`_independence.probe`).
         self.dp_probed = False
         # How the running (or last) fit draws its batches
-        # (`privacy.TrainingRun`), and the passes over shuffled data that
+        # (`accounting.TrainingRun`), and the passes over shuffled data that
         # the fits before it began.
         self.dp_run: Any = None
         self.dp_passes = 0

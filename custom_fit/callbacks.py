@@ -20,8 +20,8 @@ import numpy as np
 from custom_fit import _model_state
 from custom_fit import _validation
 from custom_fit import backend
-from custom_fit import privacy
 from custom_fit._types import Logs
+from custom_fit.privacy import accounting
 
 __all__ = [
     "GradientAlarm",
@@ -572,16 +572,16 @@ class PrivacyBudget(keras.callbacks.Callback):
         self.max_epsilon = _validation.positive_float_or_none(
             "max_epsilon", max_epsilon
         )
-        self.accountant = _validation.one_of(privacy.ACCOUNTANTS)(
+        self.accountant = _validation.one_of(accounting.ACCOUNTANTS)(
             "accountant", accountant
         )
         if sampling is not None:
-            _validation.one_of(privacy.SAMPLINGS)("sampling", sampling)
+            _validation.one_of(accounting.SAMPLINGS)("sampling", sampling)
         self._sampling = sampling
         self.sampling = sampling
         # Zero steps spend nothing; the call checks `delta` against
         # `num_examples` now, and that dp-accounting is installed.
-        privacy.epsilon(0, self.batch_size, self.num_examples, 1.0, delta)
+        accounting.epsilon(0, self.batch_size, self.num_examples, 1.0, delta)
         self.action = _validation.one_of(_BUDGET_ACTIONS)("action", action)
         if action != "stop" and self.max_epsilon is None:
             raise ValueError(
@@ -629,7 +629,7 @@ class PrivacyBudget(keras.callbacks.Callback):
         self.sampling = self._resolved_sampling(
             model.expected_batch_size, None if run is None else run.sampling
         )
-        self._noise = float(noise) / privacy.microbatch_sensitivity(
+        self._noise = float(noise) / accounting.microbatch_sensitivity(
             model.num_microbatches, self.batch_size
         )
         self.epsilons = []
@@ -705,7 +705,7 @@ class PrivacyBudget(keras.callbacks.Callback):
         own, however early it stopped), and those of this fit's steps.
         """
         if self.sampling == "poisson":
-            return privacy.epsilon(
+            return accounting.epsilon(
                 steps,
                 self._logical_batch,
                 self.num_examples,
@@ -714,15 +714,15 @@ class PrivacyBudget(keras.callbacks.Callback):
                 self.accountant,
                 "poisson",
             )
-        run = privacy.TrainingRun(
+        run = accounting.TrainingRun(
             "shuffle", self._logical_batch, self.num_examples, None, ""
         )
-        passes = self._passes_before + privacy.passes_begun(
+        passes = self._passes_before + accounting.passes_begun(
             run, steps - self._fit_start
         )
         if passes == 0:
             return 0.0
-        return privacy.epsilon(
+        return accounting.epsilon(
             batch_size=self._logical_batch,
             num_examples=self.num_examples,
             noise_multiplier=self._noise,
@@ -810,7 +810,7 @@ class PrivacyBudget(keras.callbacks.Callback):
     ) -> str:
         """Returns the sampling to account, checked against the model.
 
-        `seen`: the fit's sampling (`privacy.stated_run`), which the
+        `seen`: the fit's sampling (`accounting.stated_run`), which the
         model's `fit` found or this callback stated.
         """
         sampling = self._sampling or seen

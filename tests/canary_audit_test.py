@@ -7,7 +7,7 @@ update it takes part in; an included canary takes part in a draw with the
 sampler's rate), a run with the noise taken out (the slot's values are
 then exact), and the same run without an audit (the model's training is
 unchanged). Faults are put into the step through the public functions it
-calls (`custom_fit.privacy.add_noise`, `custom_fit.privacy.clip_factors`)
+calls (`custom_fit.privacy.accounting`'s `add_noise` and `clip_factors`)
 or into the sampler's draws, and each must be flagged by its named check.
 """
 
@@ -21,8 +21,8 @@ from absl.testing import parameterized
 
 import custom_fit
 from custom_fit import auditing
-from custom_fit import privacy
 from custom_fit import sampling
+from custom_fit.privacy import accounting
 from tests import testing
 
 SAMPLES = 256
@@ -47,7 +47,10 @@ def _data():
 
 
 def _model(
-    cls=Private, layer_norm=False, accumulation=None, regularized=False,
+    cls=Private,
+    layer_norm=False,
+    accumulation=None,
+    regularized=False,
     **options,
 ):
     keras.utils.set_random_seed(0)
@@ -108,16 +111,16 @@ def _audited_fit(
 
 
 def _noise_scaled(factor):
-    real = privacy.add_noise
+    real = accounting.add_noise
     return lambda tensors, stddev, seeds: real(tensors, stddev * factor, seeds)
 
 
-def _noise_left_off_the_last(tensors, stddev, seeds, real=privacy.add_noise):
+def _noise_left_off_the_last(tensors, stddev, seeds, real=accounting.add_noise):
     noisy = real(tensors, stddev, seeds)
     return [*noisy[:-1], tensors[-1]]
 
 
-def _noise_repeated(tensors, stddev, seeds, real=privacy.add_noise):
+def _noise_repeated(tensors, stddev, seeds, real=accounting.add_noise):
     # The generator is put back after each draw: every update, the same.
     before = keras.ops.copy(seeds.state.value)
     noisy = real(tensors, stddev, seeds)
@@ -125,7 +128,7 @@ def _noise_repeated(tensors, stddev, seeds, real=privacy.add_noise):
     return noisy
 
 
-def _unclipped(norms, l2_norm_clip, mask=None, real=privacy.clip_factors):
+def _unclipped(norms, l2_norm_clip, mask=None, real=accounting.clip_factors):
     return real(norms, 1e30, mask)
 
 
@@ -199,7 +202,9 @@ class CanaryAuditTest(testing.TestCase):
         slot's value in an update is the clip bound times the canary's
         rows: exactly 1 per participation (a canary moves the noise-free
         sum by the clip bound, once)."""
-        with mock.patch.object(privacy, "add_noise", _noise_left_off_the_last):
+        with mock.patch.object(
+            accounting, "add_noise", _noise_left_off_the_last
+        ):
             _, audit = _audited_fit()
         with self.assertRaisesRegex(auditing.PrivacyAuditError, "noise"):
             audit.check(DELTA)
@@ -220,7 +225,7 @@ class CanaryAuditTest(testing.TestCase):
         the audited one draws, canaries left out): the canaries reach only
         the slot."""
         with mock.patch.object(
-            privacy, "add_noise", lambda tensors, stddev, seeds: tensors
+            accounting, "add_noise", lambda tensors, stddev, seeds: tensors
         ):
             audited, audit = _audited_fit()
             plain = _model()
@@ -249,7 +254,7 @@ class CanaryAuditTest(testing.TestCase):
         """Each fault put into the mechanism fails its named check, and
         `check` raises `PrivacyAuditError` naming it."""
         patches = [
-            mock.patch.object(privacy, name, fault)
+            mock.patch.object(accounting, name, fault)
             for name, fault in faults.items()
             if name != "counted_twice"
         ]

@@ -17,6 +17,16 @@ import pytest
 import custom_fit
 from tests import testing
 
+# Where private training's modules were before `custom_fit/privacy/`
+# grouped them: each earlier path names the module itself.
+_EARLIER_PATHS = {
+    "custom_fit.privacy_mixin": "custom_fit.privacy.privacy_mixin",
+    "custom_fit.per_example": "custom_fit.privacy.per_example",
+    "custom_fit.ghost": "custom_fit.privacy.ghost",
+    "custom_fit.sampling": "custom_fit.privacy.sampling",
+    "custom_fit.auditing": "custom_fit.privacy.auditing",
+}
+
 # Names the modules share among themselves, never documented: each was an
 # API page before the public modules listed their names.
 _INTERNAL = (
@@ -26,9 +36,9 @@ _INTERNAL = (
     "pipeline.run_if",
     "pipeline.assign_variables",
     "pipeline.write_overwritten",
-    "privacy.stream_key",
-    "privacy.stated_run",
-    "privacy.check_run",
+    "privacy.accounting.stream_key",
+    "privacy.accounting.stated_run",
+    "privacy.accounting.check_run",
     "per_example.weighted_microbatches",
     "clipping.globally_clipped",
     "sampling.secret_seed",
@@ -78,7 +88,7 @@ class PublicSurfaceTest(testing.TestCase):
     def test_shared_helpers_are_not_exported(self):
         """The helpers modules share are no public names (no API page)."""
         for path in _INTERNAL:
-            module_name, name = path.split(".")
+            module_name, name = path.rsplit(".", 1)
             module = importlib.import_module(f"custom_fit.{module_name}")
             self.assertTrue(hasattr(module, name), path)
             self.assertNotIn(name, module.__all__, path)
@@ -90,3 +100,28 @@ class PublicSurfaceTest(testing.TestCase):
             exec(f"from {module.__name__} import *", namespace)
             namespace.pop("__builtins__")
             self.assertEqual(sorted(namespace), sorted(module.__all__))
+
+    def test_earlier_import_paths_name_the_same_modules(self):
+        """Every import path of private training from before the
+        `custom_fit/privacy/` package still works and names the module
+        itself (so a patch through either path is seen by both); the
+        accountant's names are `custom_fit.privacy`'s, as before."""
+        for earlier, now in _EARLIER_PATHS.items():
+            module = importlib.import_module(now)
+            self.assertIs(importlib.import_module(earlier), module, earlier)
+            if not hasattr(module, "__all__"):  # the mixin's module
+                continue
+            namespace = {}
+            exec(f"from {earlier} import *", namespace)
+            namespace.pop("__builtins__")
+            self.assertEqual(sorted(namespace), sorted(module.__all__))
+        self.assertIs(
+            custom_fit.privacy_mixin.DifferentialPrivacyMixin,
+            custom_fit.DifferentialPrivacyMixin,
+        )
+        accounting = importlib.import_module("custom_fit.privacy.accounting")
+        self.assertEqual(custom_fit.privacy.__all__, accounting.__all__)
+        for name in accounting.__all__:
+            self.assertIs(
+                getattr(custom_fit.privacy, name), getattr(accounting, name)
+            )

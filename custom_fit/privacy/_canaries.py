@@ -21,9 +21,9 @@ from typing import Any
 from keras import ops
 
 from custom_fit import _state
-from custom_fit import privacy
 from custom_fit._types import Tensor
 from custom_fit._types import Variable
+from custom_fit.privacy import accounting
 
 __all__ = [
     "BIG",
@@ -100,9 +100,7 @@ def decode(sample_weight: Any) -> tuple[Tensor, Tensor]:
     """
     weights = ops.convert_to_tensor(sample_weight)
     canary = ops.less(weights, 0)
-    indices = ops.where(
-        canary, ops.cast(ops.round(-weights), "int32") - 1, -1
-    )
+    indices = ops.where(canary, ops.cast(ops.round(-weights), "int32") - 1, -1)
     return indices, ops.where(canary, ops.zeros_like(weights), weights)
 
 
@@ -119,7 +117,7 @@ def slot_sums(
     what the rest of its row contributes to the clipped sum: nothing, for
     a row that counts for no example (`mask` false: its loss weight is 0),
     else its gradient of norm `norms`. The row is clipped as any example is
-    (`privacy.clip_factors`).
+    (`accounting.clip_factors`).
 
     Args:
         norms: Float32 vector, each row's gradient norm before clipping.
@@ -138,7 +136,7 @@ def slot_sums(
     if mask is not None:
         norms = ops.where(mask, norms, 0.0)
     joint = ops.sqrt(ops.where(is_canary, norms * norms + big * big, 0.0))
-    factors = privacy.clip_factors(joint, clip, is_canary)
+    factors = accounting.clip_factors(joint, clip, is_canary)
     # Rows of no canary go to one more segment, dropped.
     segments = ops.where(is_canary, indices, num_canaries)
     found = ops.segment_sum(

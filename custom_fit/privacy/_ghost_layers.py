@@ -39,7 +39,7 @@ import numpy as np
 from keras import ops
 
 from custom_fit import _keras_compat
-from custom_fit import ghost
+from custom_fit.privacy import ghost
 
 KERNEL_LAYERS = (
     keras.layers.Dense,

@@ -218,60 +218,54 @@ def run(
     are computed once for the update and shared (`custom_fit._figures`).
     """
     with _figures.open_book(model):
-        return _run_with_figures(
-            model, loss, aux, gradients, variables, optimizer
+        guard = _model_state.state_of(model).guard
+        gradients, variables, overwritten = pipeline.split_overwritten(
+            gradients, variables
         )
-
-
-def _run_with_figures(
-    model: Any,
-    loss: Tensor,
-    aux: Any,
-    gradients: Gradients,
-    variables: list[Variable],
-    optimizer: Optimizer,
-) -> Update:
-    """`_update`, inside the update's book of figures."""
-    guard = _model_state.state_of(model).guard
-    gradients, variables, overwritten = pipeline.split_overwritten(
-        gradients, variables
-    )
-    # Whether the batch counts in the epoch's figures: its own
-    # gradients are finite (with accumulation), or the update is applied.
-    accumulating = model.gradient_accumulation_steps not in (None, 1)
-    counted = guard.batch_is_finite(gradients) if accumulating else None
-    # Past the consecutive-skip limit (read by the host one call late)
-    # a step changes nothing at all, accumulation included.
-    frozen = guard.past_limit()
-    if frozen is not None and counted is not None:
-        counted = ops.logical_and(counted, ops.logical_not(frozen))
-    is_update = None
-    if accumulating:
-        accumulator = _accumulator(model, variables)
-        gradients, is_update = accumulator.accumulate(gradients, frozen=frozen)
-    gradients = model.finalize_gradients(gradients, variables, is_update)
-    transformed = _transformed(model, gradients, variables)
-    verdict = guard.decide(gradients, transformed, optimizer)
-    applied = verdict.apply if guard.active else None
-    if is_update is None:
-        counted = applied
-    # Reports from here on (inspection) are about the update.
-    _model_state.state_of(model).metrics.settle(applied)
-    _inspect_and_apply(
-        model, gradients, transformed, variables, optimizer, verdict, is_update
-    )
-    for name, count in guard.record(verdict, is_update).items():
-        # Never held: a skipped step is counted.
-        model._report(name, count, reduction="sum", held=False)
-    if overwritten:
-        pipeline.write_overwritten(overwritten, counted)
-    if is_update is not None:
-        applied = (
-            is_update
-            if applied is None
-            else ops.logical_and(is_update, applied)
+        # Whether the batch counts in the epoch's figures: its own
+        # gradients are finite (with accumulation), or the update is applied.
+        accumulating = model.gradient_accumulation_steps not in (None, 1)
+        counted = guard.batch_is_finite(gradients) if accumulating else None
+        # Past the consecutive-skip limit (read by the host one call late)
+        # a step changes nothing at all, accumulation included.
+        frozen = guard.past_limit()
+        if frozen is not None and counted is not None:
+            counted = ops.logical_and(counted, ops.logical_not(frozen))
+        is_update = None
+        if accumulating:
+            accumulator = _accumulator(model, variables)
+            gradients, is_update = accumulator.accumulate(
+                gradients, frozen=frozen
+            )
+        gradients = model.finalize_gradients(gradients, variables, is_update)
+        transformed = _transformed(model, gradients, variables)
+        verdict = guard.decide(gradients, transformed, optimizer)
+        applied = verdict.apply if guard.active else None
+        if is_update is None:
+            counted = applied
+        # Reports from here on (inspection) are about the update.
+        _model_state.state_of(model).metrics.settle(applied)
+        _inspect_and_apply(
+            model,
+            gradients,
+            transformed,
+            variables,
+            optimizer,
+            verdict,
+            is_update,
         )
-    return Update(loss=loss, aux=aux, applied=applied, counted=counted)
+        for name, count in guard.record(verdict, is_update).items():
+            # Never held: a skipped step is counted.
+            model._report(name, count, reduction="sum", held=False)
+        if overwritten:
+            pipeline.write_overwritten(overwritten, counted)
+        if is_update is not None:
+            applied = (
+                is_update
+                if applied is None
+                else ops.logical_and(is_update, applied)
+            )
+        return Update(loss=loss, aux=aux, applied=applied, counted=counted)
 
 
 def _transformed(

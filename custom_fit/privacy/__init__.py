@@ -22,22 +22,5 @@ Their earlier paths (`custom_fit.privacy_mixin`, `custom_fit.per_example`,
 the same modules.
 """
 
-from custom_fit.privacy.accounting import ACCOUNTANTS
-from custom_fit.privacy.accounting import SAMPLINGS
-from custom_fit.privacy.accounting import CalibratedNoise
-from custom_fit.privacy.accounting import add_noise
-from custom_fit.privacy.accounting import calibrate_noise
-from custom_fit.privacy.accounting import clip_and_sum
-from custom_fit.privacy.accounting import clip_factors
-from custom_fit.privacy.accounting import epsilon
-
-__all__ = [
-    "ACCOUNTANTS",
-    "SAMPLINGS",
-    "CalibratedNoise",
-    "add_noise",
-    "calibrate_noise",
-    "clip_and_sum",
-    "clip_factors",
-    "epsilon",
-]
+from custom_fit.privacy.accounting import *  # noqa: F403
+from custom_fit.privacy.accounting import __all__  # noqa: F401

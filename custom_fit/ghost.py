@@ -8,6 +8,6 @@ import sys
 
 from custom_fit.privacy import ghost as _module
 from custom_fit.privacy.ghost import *  # noqa: F403  (for type checkers)
-from custom_fit.privacy.ghost import __all__  # noqa: F401
 
+__all__ = _module.__all__
 sys.modules[__name__] = _module

@@ -8,6 +8,6 @@ import sys
 
 from custom_fit.privacy import per_example as _module
 from custom_fit.privacy.per_example import *  # noqa: F403  (for type checkers)
-from custom_fit.privacy.per_example import __all__  # noqa: F401
 
+__all__ = _module.__all__
 sys.modules[__name__] = _module

@@ -24,6 +24,19 @@ def public_names(module):
     return [str(name) for name in module.exports]
 
 
+def named_module(module):
+    """The module a public module's page documents.
+
+    An earlier path of a module that moved (`custom_fit.sampling` names
+    `custom_fit.privacy.sampling`) imports it as `_module`: its page
+    documents that module, under the earlier path's name.
+    """
+    alias = module.members.get("_module")
+    if alias is not None and alias.is_alias:
+        return alias.final_target
+    return module
+
+
 def write(path, identifier, children=(), signature=True):
     """Writes `api/<path>.md`: the symbol's docstring, and its children.
 
@@ -53,6 +66,7 @@ for name in package.exports:
     target = member.final_target if member.is_alias else member
     identifier = f"custom_fit.{name}"
     if target.is_module:
+        target = named_module(target)
         children = []
         for child in public_names(target):
             child_member = target.members[child]
@@ -62,9 +76,9 @@ for name in package.exports:
                 else child_member
             )
             children.append((child, summary(child_target)))
-            write(f"{identifier}.{child}", f"{identifier}.{child}")
+            write(f"{identifier}.{child}", f"{target.path}.{child}")
             nav[(identifier, child)] = f"{identifier}.{child}.md"
-        write(identifier, identifier, children)
+        write(identifier, target.path, children)
         nav[(identifier,)] = f"{identifier}.md"
     else:
         mixin = (

@@ -22,5 +22,7 @@ Their earlier paths (`custom_fit.privacy_mixin`, `custom_fit.per_example`,
 the same modules.
 """
 
+from custom_fit.privacy import accounting
 from custom_fit.privacy.accounting import *  # noqa: F403
-from custom_fit.privacy.accounting import __all__  # noqa: F401
+
+__all__ = accounting.__all__

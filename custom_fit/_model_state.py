@@ -8,6 +8,7 @@ accumulators, inspection figures, warnings given) lives in one
 """
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from custom_fit import _state
@@ -34,6 +35,8 @@ class ModelState:
             told from those of an earlier one.
         local: Per-thread flags of the step being traced (MirroredStrategy
             traces each replica in a thread of its own).
+        records: Dict of a mixin's key to what it keeps on the host
+            (`record_of`).
     """
 
     def __init__(self) -> None:
@@ -49,26 +52,9 @@ class ModelState:
         self.warned: set[str] = set()
         self.generation = 0
         self.local = threading.local()
-        # PCGradMixin: the generator and the last order of the tasks.
-        self.pcgrad_seeds: Any = None
-        self.pcgrad_order: Any = None
-        # DifferentialPrivacyMixin: the generator of the noise, and whether
-        # a fit of this model object has drawn from it.
-        self.dp_seeds: Any = None
-        self.dp_noise_drawn = False
-        # Why ghost clipping turned out impossible at a step ("": it did
-        # not), found in the traced pass (a loss added in a layer's call).
-        self.dp_ghost_blocker = ""
-        # Whether fit tried the model on a batch (`_independence.probe`).
-        self.dp_probed = False
-        # How the running (or last) fit draws its batches
-        # (`accounting.TrainingRun`), and the passes over shuffled data that
-        # the fits before it began.
-        self.dp_run: Any = None
-        self.dp_passes = 0
-        # The state of the `auditing.CanaryAudit` of the running fit
-        # (`_canaries.Slot`), or `None`.
-        self.dp_audit: Any = None
+        # What a mixin keeps on the host beside its declared state, by
+        # the mixin's key (`record_of`).
+        self.records: dict[str, Any] = {}
 
 
 def state_of(model: Any) -> ModelState:
@@ -84,6 +70,24 @@ def state_of(model: Any) -> ModelState:
     if state is None:
         state = model.__dict__["_custom_fit"] = ModelState()
     return state
+
+
+def record_of(model: Any, key: str, make: Callable[[], Any]) -> Any:
+    """Returns what a mixin keeps on the host for `model`, made once.
+
+    For bookkeeping outside the step (how a fit draws its batches, what a
+    check found); what the step reads and writes is declared state
+    (`options.State`, `options.Seeds`).
+
+    Args:
+        model: A custom_fit model.
+        key: The mixin's key (its class name).
+        make: Makes the record (a dataclass) on first use.
+    """
+    records = state_of(model).records
+    if key not in records:
+        records[key] = make()
+    return records[key]
 
 
 def models_in(model: Any) -> list[Any]:

@@ -280,6 +280,79 @@ class State:
         )
 
 
+class Seeds(State):
+    """A seed generator of a mixin, made for each model, carried by its step.
+
+    Declare it as a class attribute beside the option that holds its seed;
+    read it inside the step as `self.<name>` and pass it as the `seed` of
+    `keras.random` functions. Each model gets its own generator when it is
+    built, whose state travels with the step as a `State`'s does (JAX's
+    step is pure; one state per replica under `tf.distribute`, each
+    drawing the same numbers). Like a `State`, it is not saved with the
+    model: a loaded model starts from its seed again.
+
+    Args:
+        seed_option: String. The name of the option holding the seed (an
+            int, or `None` for a seed of the generator's own).
+        secret: Bool. If `True`, a generator no one may predict when no
+            seed is given: seeded from the operating system's entropy
+            (with every secret bit the backend's draws read), and over
+            several processes given process 0's secret by `fit` (DP-SGD's
+            noise). If `False`, `keras.random.SeedGenerator`'s own seed.
+            Defaults to `False`.
+        requires: As `State`'s.
+
+    Example:
+
+    ```python
+    class GradientDropoutMixin(custom_fit.TrainStepMixin):
+        dropout_seed = options.Option(None, options.seed_or_none)
+        dropout_seeds = options.Seeds("dropout_seed")
+
+        def transform_gradients(self, gradients, variables):
+            gradients = [
+                keras.random.dropout(g, 0.1, seed=self.dropout_seeds)
+                for g in gradients]
+            return super().transform_gradients(gradients, variables)
+    ```
+    """
+
+    def __init__(
+        self,
+        seed_option: str,
+        *,
+        secret: bool = False,
+        requires: Sequence[str] = (),
+    ) -> None:
+        super().__init__((2,), "uint32", requires=requires)
+        if not isinstance(seed_option, str) or not seed_option:
+            raise ValueError(
+                "`seed_option` names the option that holds the seed. "
+                f"Received: seed_option={seed_option!r}. Pass the option's "
+                "name, for example Seeds('dropout_seed')."
+            )
+        self.seed_option = seed_option
+        self.secret = _validation.boolean("secret", secret)
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+        self.__doc__ = (
+            f"The seed generator `{name}` of {owner.__name__}, seeded by "
+            f"the option `{self.seed_option}`"
+            + (" (secret when not given)." if self.secret else ".")
+        )
+
+    def __repr__(self) -> str:
+        return f"Seeds({self.seed_option!r}, secret={self.secret})"
+
+    def make(self, instance: object) -> Any:
+        """Returns the generator of `instance`, seeded by its option."""
+        seed = getattr(instance, self.seed_option)
+        if self.secret:
+            return backend.current().secret_seeds(seed)
+        return keras.random.SeedGenerator(seed)
+
+
 def declared_states(cls: type) -> dict[str, State]:
     """Returns the `State`s that `cls` and its bases declare, bases first."""
     states: dict[str, State] = {}
@@ -306,6 +379,11 @@ def make_states(instance: object) -> None:
             and not _same(getattr(instance, other), options[other].default)
             for other in declared.requires
         ):
+            continue
+        if isinstance(declared, Seeds):
+            generator = declared.make(instance)
+            state.holder.track(generator.state)
+            state.declared[name] = generator
             continue
         variable = backend.current().state_variable(
             declared.shape, declared.dtype, name, False

@@ -202,6 +202,19 @@ def check_declared_options(cls: type) -> None:
                         f"Received: {argument}={getattr(attribute, argument)}. "
                         "Name declared options only."
                     )
+    if not _is_model_class(cls):
+        return
+    options = _options.declared_options(cls)
+    for name, seeds in _options.declared_states(cls).items():
+        option = getattr(seeds, "seed_option", None)
+        if option is not None and option not in options:
+            raise TypeError(
+                f"The seed generator `{name}` of {cls.__name__} is seeded "
+                f"by the option `{option}`, which no class of the model "
+                f"declares. Received: Seeds({option!r}). Declare the "
+                f"option (`{option} = options.Option(None, "
+                "options.seed_or_none)`) or name a declared one."
+            )
 
 
 def _is_model_class(cls: type) -> bool:

@@ -17,10 +17,10 @@ from typing import Any
 import keras
 import numpy as np
 
-from custom_fit import _model_state
 from custom_fit import _validation
 from custom_fit import backend
 from custom_fit._types import Logs
+from custom_fit.privacy import _record
 from custom_fit.privacy import accounting
 
 __all__ = [
@@ -625,7 +625,7 @@ class PrivacyBudget(keras.callbacks.Callback):
         self._logical_batch = self.batch_size * (
             model.gradient_accumulation_steps or 1
         )
-        run = _model_state.state_of(model).dp_run
+        run = _record.of(model).run
         self.sampling = self._resolved_sampling(
             model.expected_batch_size, None if run is None else run.sampling
         )
@@ -652,7 +652,7 @@ class PrivacyBudget(keras.callbacks.Callback):
         # than whole passes' worth.
         per_pass = -(-self.num_examples // self._logical_batch)
         self._passes_before = max(
-            _model_state.state_of(model).dp_passes,
+            _record.of(model).passes,
             -(-self._fit_start // per_pass),
         )
         if self.max_epsilon is not None:

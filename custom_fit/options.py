@@ -11,7 +11,9 @@ read in the step with `model.option_in_step(name)`.
 A mixin that keeps figures from step to step declares them as `State`
 class attributes: each model gets its own variable, made on every backend
 and carried with the step (JAX's step is pure), read and written inside the
-step as `self.<name>`.
+step as `self.<name>`; a random draw in the step takes its seed from a
+`Seeds` declaration (a generator per model, seeded by one of the
+mixin's options, carried the same way).
 
 The validators below are what custom_fit's own options use: each is a
 callable `(name, value) -> value` that returns the value to store and
@@ -42,6 +44,7 @@ class GradientNoiseMixin(custom_fit.TrainStepMixin):
 """
 
 from custom_fit._options import Option
+from custom_fit._options import Seeds
 from custom_fit._options import State
 from custom_fit._validation import boolean
 from custom_fit._validation import fraction
@@ -56,6 +59,7 @@ from custom_fit._validation import seed_or_none
 
 __all__ = [
     "Option",
+    "Seeds",
     "State",
     "boolean",
     "fraction",

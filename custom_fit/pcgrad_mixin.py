@@ -1,7 +1,6 @@
 """`PCGradMixin`: gradient surgery between the losses of a multi-task model."""
 
 from collections.abc import Sequence
-from typing import Any
 
 import keras
 from keras import ops
@@ -65,19 +64,13 @@ class PCGradMixin(TrainStepMixin):
         "outputs", _validation.one_of(("outputs", "outputs_and_penalties"))
     )
     pcgrad_seed = _options.Option(None, _validation.seed_or_none)
-
-    def _configure_options(self, options: dict[str, Any]) -> None:
-        """Makes the generator of the task order, part of the model state."""
-        super()._configure_options(options)
-        state = _model_state.state_of(self)
-        state.pcgrad_seeds = keras.random.SeedGenerator(self.pcgrad_seed)
-        state.holder.track(state.pcgrad_seeds.state)
-        state.pcgrad_order = None
+    # The generator of each step's task order.
+    _order_seeds = _options.Seeds("pcgrad_seed")
 
     @property
     def task_order(self) -> list[int]:
         """The order of the tasks at the last step (indices of the losses)."""
-        order = _model_state.state_of(self).pcgrad_order
+        order = _model_state.state_of(self).records.get("PCGradMixin")
         if order is None:
             return []
         return [int(i) for i in backend.current().host_value(self, order)]
@@ -101,18 +94,17 @@ class PCGradMixin(TrainStepMixin):
             for name, gradients in gradients_by_loss.items()
             if name != "regularization"
         }
-        state = _model_state.state_of(self)
         count = len(tasks)
-        if state.pcgrad_order is None:
-            state.pcgrad_order = _state.state_variable(
-                (count,), "int32", "task_order"
-            )
-            state.holder.track(state.pcgrad_order)
+        # The last order, made at the first step (the number of tasks is
+        # known then), kept for `task_order`.
+        last = _model_state.record_of(
+            self, "PCGradMixin", lambda: self._task_order_variable(count)
+        )
         order = ops.cast(
-            keras.random.shuffle(ops.arange(count), seed=state.pcgrad_seeds),
+            keras.random.shuffle(ops.arange(count), seed=self._order_seeds),
             "int32",
         )
-        state.pcgrad_order.assign(order)
+        last.assign(order)
         combined = pcgrad.project_conflicting(list(tasks.values()), order)
         rest = gradients_by_loss.get("regularization")
         if rest is None:
@@ -120,3 +112,9 @@ class PCGradMixin(TrainStepMixin):
         return super().combine_gradients(
             {"tasks": combined, "regularization": rest}, variables
         )
+
+    def _task_order_variable(self, count: int) -> Variable:
+        """Makes the variable of the last task order, carried by the step."""
+        variable = _state.state_variable((count,), "int32", "task_order")
+        _model_state.state_of(self).holder.track(variable)
+        return variable

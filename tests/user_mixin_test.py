@@ -330,6 +330,88 @@ class DeclaredStateTest(testing.TestCase):
             model.total = 1.0
 
 
+class DrawMixin(custom_fit.TrainStepMixin):
+    """Draws four uniform numbers each update from a declared generator."""
+
+    draw_seed = options.Option(None, options.seed_or_none)
+    draw_seeds = options.Seeds("draw_seed")
+    last_draw = options.State((4,), "float32")
+
+    def transform_gradients(self, gradients, variables):
+        self.last_draw.assign(keras.random.uniform((4,), seed=self.draw_seeds))
+        return super().transform_gradients(gradients, variables)
+
+
+class DrawNet(DrawMixin, keras.Model):
+    pass
+
+
+class SeedsTest(testing.TestCase):
+    @parameterized.named_parameters(*testing.EXECUTION_MODES)
+    def test_a_seeded_generator_is_carried_from_step_to_step(self, mode):
+        """After k updates the state holds the k-th draw of Keras' own
+        `SeedGenerator` with the same seed, drawn outside any step: the
+        generator's state travels with the step (on JAX a step that did
+        not carry it would draw the first numbers every time)."""
+        x, y = testing.classification_data(samples=24)
+        reference = keras.random.SeedGenerator(3)
+        expected = [
+            testing.to_numpy(keras.random.uniform((4,), seed=reference))
+            for _ in range(3)
+        ]
+        model = testing.mlp(DrawNet, draw_seed=3)
+        model.compile(
+            optimizer="sgd", loss=testing.sparse_crossentropy(), **mode
+        )
+        for steps in (1, 2):
+            model.fit(x[: 8 * steps], y[: 8 * steps], batch_size=8, verbose=0)
+        self.assertAllClose(testing.to_numpy(model.last_draw), expected[2])
+
+    def test_unseeded_generators_differ_between_models(self):
+        """Without a seed each model draws its own numbers: public ones
+        (Keras' seed) and secret ones (`secret=True`) alike."""
+
+        class SecretDraw(DrawMixin):
+            secret_seeds = options.Seeds("draw_seed", secret=True)
+
+            def transform_gradients(self, gradients, variables):
+                self.last_draw.assign(
+                    keras.random.uniform((4,), seed=self.secret_seeds)
+                )
+                return super(DrawMixin, self).transform_gradients(
+                    gradients, variables
+                )
+
+        class SecretNet(SecretDraw, keras.Model):
+            pass
+
+        x, y = testing.classification_data(samples=8)
+        for model_class in (DrawNet, SecretNet):
+            draws = []
+            for _ in range(2):
+                model = testing.mlp(model_class)
+                model.compile(
+                    optimizer="sgd", loss=testing.sparse_crossentropy()
+                )
+                model.fit(x, y, batch_size=8, verbose=0)
+                draws.append(testing.to_numpy(model.last_draw))
+            self.assertFalse(np.allclose(*draws), model_class.__name__)
+
+    def test_a_generator_needs_a_declared_seed_option(self):
+        """`Seeds` names an option the model declares, checked when the
+        model class is made; an empty name is refused at once."""
+        with self.assertRaisesRegex(TypeError, "`no_such_seed`"):
+
+            class Undeclared(custom_fit.TrainStepMixin):
+                seeds = options.Seeds("no_such_seed")
+
+            class Net(Undeclared, keras.Model):
+                pass
+
+        with self.assertRaisesRegex(ValueError, "seed_option=''"):
+            options.Seeds("")
+
+
 class UnitNormMixin(custom_fit.TrainStepMixin):
     """Scales the gradients to unit global norm through the shared seam."""
 

@@ -25,6 +25,7 @@ from custom_fit._types import Tensor
 from custom_fit._types import Variable
 from custom_fit.privacy import _canaries
 from custom_fit.privacy import _ghost_layers
+from custom_fit.privacy import _record
 from custom_fit.privacy import per_example
 from custom_fit.train_step_mixin import BatchLoss
 
@@ -65,16 +66,16 @@ def step_sums(
     return loss, y_pred, gradients
 
 
-def audit_slot_sums(state: Any, is_update: Tensor | None) -> Tensor | None:
+def audit_slot_sums(model: Any, is_update: Tensor | None) -> Tensor | None:
     """The audit's clipped slot sums and canary rows of the update.
 
     With accumulation, those of the update's batches so far (kept in
     the audit's state until the update). `None` without an audit.
     """
-    audit = state.dp_audit
+    audit = _record.of(model).audit
     if audit is None:
         return None
-    found = state.local.audit_sums
+    found = _model_state.state_of(model).local.audit_sums
     if is_update is not None:
         found = found + backend.current().read(audit.pending)
         audit.pending.assign(ops.where(is_update, ops.zeros_like(found), found))
@@ -82,13 +83,13 @@ def audit_slot_sums(state: Any, is_update: Tensor | None) -> Tensor | None:
 
 
 def record_audit(
-    state: Any,
+    model: Any,
     noisy: Tensor,
     rows: Tensor,
     is_update: Tensor | None,
 ) -> None:
     """Records the update's noisy slot sum in the audit's statistics."""
-    statistics = state.dp_audit.statistics
+    statistics = _record.of(model).audit.statistics
     before = backend.current().read(statistics)
     after = _canaries.recorded(before, noisy, rows)
     if is_update is not None:
@@ -153,7 +154,8 @@ def note_clipping(
         "dp_clipped_fraction", clipped / ops.maximum(total, 1.0)
     )
     state = _model_state.state_of(model)
-    if state.dp_audit is not None:
+    audit = _record.of(model).audit
+    if audit is not None:
         # The canaries' rows, clipped as the examples' are: the global
         # batch's, summed over replicas as the clipped sums are.
         sums = _canaries.slot_sums(
@@ -161,7 +163,7 @@ def note_clipping(
             mask,
             state.local.audit_rows,
             clip,
-            state.dp_audit.num_canaries,
+            audit.num_canaries,
         )
         state.local.audit_sums = backend.current().all_reduce_sum([sums])[0]
     # The global batch's count: this replica's, summed over replicas.
@@ -197,7 +199,7 @@ def clipping_choice(
             f"(num_microbatches={model.num_microbatches}) are clipped as "
             "one, which ghost norms do not compute"
         )
-    reason = _model_state.state_of(model).dp_ghost_blocker
+    reason = _record.of(model).ghost_blocker
     reason = reason or _ghost_layers.blocker(
         model, variables, trust_code=model.clipping_method == "ghost"
     )
@@ -256,7 +258,7 @@ def ghost_sums(
                 "Received: clipping_method='ghost'. Use "
                 "clipping_method='auto' or 'vectorized'."
             )
-        _model_state.state_of(model).dp_ghost_blocker = found
+        _record.of(model).ghost_blocker = found
         return None
     loss, y_pred, clipped = found
     note_clipping(model, loss_function.x, clipped.norms, clipped.mask, None)

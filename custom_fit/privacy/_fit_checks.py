@@ -26,6 +26,7 @@ from custom_fit import backend
 from custom_fit import callbacks as callbacks_module
 from custom_fit._types import Optimizer
 from custom_fit.privacy import _independence
+from custom_fit.privacy import _record
 from custom_fit.privacy import accounting
 
 
@@ -377,8 +378,8 @@ class ResumedRun(keras.callbacks.Callback):
         self.updates_at_start = int(
             ops.convert_to_numpy(model.optimizer.iterations)
         )
-        state = _model_state.state_of(model)
-        noise = model.noise_seed is not None and not state.dp_noise_drawn
+        record = _record.of(model)
+        noise = model.noise_seed is not None and not record.noise_drawn
         sampler = self._sampler
         given = getattr(sampler, "seed_given", False)
         # Keras ends an epoch before the first one: no epoch trained.
@@ -388,10 +389,10 @@ class ResumedRun(keras.callbacks.Callback):
         updates = self.updates_at_start
         start = _weights_digest(model)
         if noise:
-            seeds = state.dp_seeds.state
+            seeds = model._noise_seeds.state
             key = accounting.stream_key(model.noise_seed, updates, start)
             seeds.assign(ops.cast([key, 0], seeds.dtype))
-            state.dp_noise_drawn = True
+            record.noise_drawn = True
         if fresh:
             sampler.continue_after(accounting.stream_key(0, updates, start) + 1)
 
@@ -486,8 +487,8 @@ def check_examples_apart(model: Any, arguments: dict[str, Any]) -> None:
         ValueError: Naming the variables, or why ghost clipping cannot
             be taken.
     """
-    state = _model_state.state_of(model)
-    if state.dp_probed:
+    record = _record.of(model)
+    if record.probed:
         return
     batch = _independence.first_batch(arguments)
     found = (
@@ -533,9 +534,9 @@ def check_examples_apart(model: Any, arguments: dict[str, Any]) -> None:
                 else "."
             )
         )
-    if reason and not state.dp_ghost_blocker:
-        state.dp_ghost_blocker = reason
-    state.dp_probed = True
+    if reason and not record.ghost_blocker:
+        record.ghost_blocker = reason
+    record.probed = True
 
 
 def close_open_windows(model: Any) -> None:

@@ -21,6 +21,7 @@ from custom_fit._types import Variable
 from custom_fit.privacy import _canaries
 from custom_fit.privacy import _clipped_sums
 from custom_fit.privacy import _fit_checks
+from custom_fit.privacy import _record
 from custom_fit.privacy import accounting
 from custom_fit.privacy import auditing
 from custom_fit.train_step_mixin import BatchLoss
@@ -244,6 +245,8 @@ class DifferentialPrivacyMixin(TrainStepMixin):
     )
     # Every step the mechanism ran (`private_steps`), skipped ones included.
     _private_step_count = _options.State((), "int32")
+    # The noise's generator: secret unless `noise_seed` is given.
+    _noise_seeds = _options.Seeds("noise_seed", secret=True)
 
     def _configure_options(self, options: dict[str, Any]) -> None:
         """Checks the options; makes the noise's generator and the count."""
@@ -279,9 +282,6 @@ class DifferentialPrivacyMixin(TrainStepMixin):
                 "num_microbatches out, or use clipping_method='auto'."
             )
         _fit_checks.refuse_what_the_private_gradient_leaves_out(self)
-        state = _model_state.state_of(self)
-        state.dp_seeds = backend.current().secret_seeds(self.noise_seed)
-        state.holder.track(state.dp_seeds.state)
         if self.noise_seed is not None:
             warnings.warn(
                 f"noise_seed={self.noise_seed} makes the noise of every "
@@ -339,9 +339,9 @@ class DifferentialPrivacyMixin(TrainStepMixin):
         _fit_checks.check_microbatches_divide(self, arguments)
         _fit_checks.check_examples_apart(self, arguments)
         _fit_checks.close_open_windows(self)
-        state = _model_state.state_of(self)
+        record = _record.of(self)
         backend.current().agree_on_seeds(
-            state.dp_seeds, given=self.noise_seed is not None
+            self._noise_seeds, given=self.noise_seed is not None
         )
         x = arguments.get("x")
         resumed = _fit_checks.ResumedRun(
@@ -363,22 +363,22 @@ class DifferentialPrivacyMixin(TrainStepMixin):
             callbacks.callbacks = ordered
         else:
             arguments["callbacks"] = ordered
-        state.dp_run = run
+        record.run = run
         started = self.private_steps
         if slot is not None:
             # A step records an audit's canaries if traced with it (and
             # only then: the train function is made again after the fit).
             self.train_function = None
-        state.dp_audit = slot
+        record.audit = slot
         try:
             history = super().fit(**arguments)
         finally:
             if slot is not None:
-                state.dp_audit = None
+                record.audit = None
                 self.train_function = None
-            state.dp_noise_drawn = True
+            record.noise_drawn = True
             ran = self.private_steps - started
-            state.dp_passes += accounting.passes_begun(run, ran)
+            record.passes += accounting.passes_begun(run, ran)
         if resumed.updates_at_start is not None:
             # From the updates when training began (restored ones counted).
             made = int(ops.convert_to_numpy(self.optimizer.iterations))
@@ -511,9 +511,9 @@ class DifferentialPrivacyMixin(TrainStepMixin):
         state = _model_state.state_of(self)
         steps = self.gradient_accumulation_steps or 1
         sums = [None if g is None else g * steps for g in gradients]
-        slot = _clipped_sums.audit_slot_sums(state, is_update)
+        slot = _clipped_sums.audit_slot_sums(self, is_update)
         if self.noise_multiplier:
-            seeds = state.dp_seeds
+            seeds = self._noise_seeds
             before = backend.current().read(seeds.state)
             clip = ops.cast(self.l2_norm_clip, "float32")
             present = [g for g in sums if g is not None]
@@ -530,7 +530,7 @@ class DifferentialPrivacyMixin(TrainStepMixin):
             sums = [None if g is None else next(noisy) for g in sums]
             if slot is not None:
                 _clipped_sums.record_audit(
-                    state, next(noisy), slot[1], is_update
+                    self, next(noisy), slot[1], is_update
                 )
             if is_update is not None:
                 # The generator moves on once per update, not per batch.
@@ -563,7 +563,7 @@ class DifferentialPrivacyMixin(TrainStepMixin):
         slot (`custom_fit._canaries`).
         """
         state = _model_state.state_of(self)
-        if state.dp_audit is not None:
+        if _record.of(self).audit is not None:
             x, y, weights = keras.utils.unpack_x_y_sample_weight(data)
             state.local.audit_rows, weights = _canaries.decode(weights)
             data = (x, y, weights)

@@ -33,7 +33,6 @@ from keras import ops
 
 from custom_fit import _figures
 from custom_fit import _model_state
-from custom_fit import _state
 from custom_fit import backend
 from custom_fit import pipeline
 from custom_fit import spikes
@@ -94,23 +93,14 @@ class Guard:
         self.counter: Any = None
         self.norm_average: Any = None
         self.norm_count: Any = None
-        holder = _model_state.state_of(model).holder
+        # Declared by `TrainStepMixin`, made with the options they need.
         if model.skip_nonfinite:
-            self.counter = _state.state_variable(
-                (), "int32", "consecutive_skipped_steps"
-            )
+            self.counter = model._consecutive_skipped_steps
             # Read by the host one call late (`snapshot`).
             backend.current().read_late(self.counter)
-            holder.track(self.counter)
         if model.skip_gradient_norm_ratio_above is not None:
-            self.norm_average = _state.state_variable(
-                (), "float32", "gradient_norm_average"
-            )
-            self.norm_count = _state.state_variable(
-                (), "int32", "gradient_norm_count"
-            )
-            holder.track(self.norm_average)
-            holder.track(self.norm_count)
+            self.norm_average = model._gradient_norm_average
+            self.norm_count = model._gradient_norm_count
 
     def keep(self, keras_metrics: list[Any]) -> StepStart | None:
         """Keeps, before a training step, what a skipped step must not change.

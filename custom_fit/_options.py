@@ -366,17 +366,18 @@ def declared_states(cls: type) -> dict[str, State]:
 def make_states(instance: object) -> None:
     """Makes the declared state variables of a model, once each.
 
-    Those whose `requires` options are all at their defaults are not made.
+    Those whose `requires` options are all at their defaults (as the
+    class that first declares each gives it) are not made.
     """
     state = _model_state.state_of(instance)
-    options = declared_options(type(instance))
+    defaults = _first_defaults(type(instance))
     for name, declared in declared_states(type(instance)).items():
         if name in state.declared:
             continue
         if declared.requires and not any(
-            other in options
+            other in defaults
             and _is_set(getattr(instance, other))
-            and not _same(getattr(instance, other), options[other].default)
+            and not _same(getattr(instance, other), defaults[other])
             for other in declared.requires
         ):
             continue
@@ -390,6 +391,20 @@ def make_states(instance: object) -> None:
         )
         state.holder.track(variable)
         state.declared[name] = variable
+
+
+def _first_defaults(cls: type) -> dict[str, Any]:
+    """Each option's default as the class that first declares it gives it.
+
+    A subclass that narrows an option's default (`skip_nonfinite=True`
+    by default) has set it, as far as the state it requires goes.
+    """
+    defaults: dict[str, Any] = {}
+    for klass in reversed(cls.__mro__):
+        for name, attribute in vars(klass).items():
+            if isinstance(attribute, Option) and name not in defaults:
+                defaults[name] = attribute.default
+    return defaults
 
 
 def declared_options(cls: type) -> dict[str, Option]:

@@ -226,6 +226,18 @@ class TrainStepMixin(
         former_defaults=(1,),  # until layer_depth=None split nested models
     )
 
+    # The guard's state (`_guard.Guard`): the skipped steps in a row, and
+    # the running average of the gradient norm that spikes are told by.
+    _consecutive_skipped_steps = _options.State(
+        (), "int32", requires=("skip_nonfinite",)
+    )
+    _gradient_norm_average = _options.State(
+        (), "float32", requires=("skip_gradient_norm_ratio_above",)
+    )
+    _gradient_norm_count = _options.State(
+        (), "int32", requires=("skip_gradient_norm_ratio_above",)
+    )
+
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """Checks the order of the bases; lists the options in a signature.
 

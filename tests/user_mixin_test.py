@@ -330,6 +330,45 @@ class DeclaredStateTest(testing.TestCase):
             model.total = 1.0
 
 
+class AlwaysGuardedMixin(custom_fit.TrainStepMixin):
+    """Narrows `skip_nonfinite`'s default: every model skips non-finite
+    updates unless told otherwise."""
+
+    skip_nonfinite = options.Option(True, options.boolean)
+
+
+class AlwaysGuardedNet(AlwaysGuardedMixin, keras.Model):
+    pass
+
+
+class NarrowedDefaultTest(testing.TestCase):
+    def test_a_narrowed_default_makes_the_state_it_requires(self):
+        """A subclass whose default turns the guard on gets the guard's
+        declared state (made for an option set away from the default its
+        first declarer gave): a batch with a NaN is skipped and counted,
+        as with `skip_nonfinite=True` given, and the weights stay those
+        of the finite batches."""
+        x, y = testing.classification_data(samples=16)
+        x = np.array(x)
+        x[0, 0] = np.nan
+        found = {}
+        class PlainNet(custom_fit.TrainStepMixin, keras.Model):
+            pass
+
+        for label, model in (
+            ("narrowed", testing.mlp(AlwaysGuardedNet)),
+            ("given", testing.mlp(PlainNet, skip_nonfinite=True)),
+        ):
+            model.set_weights(testing.mlp().get_weights())
+            model.compile(optimizer="sgd", loss=testing.sparse_crossentropy())
+            history = model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+            self.assertEqual(history.history["skipped_steps"], [1.0])
+            found[label] = model.get_weights()
+        for a, b in zip(found["narrowed"], found["given"]):
+            self.assertAllClose(a, b)
+            self.assertTrue(np.isfinite(a).all())
+
+
 class DrawMixin(custom_fit.TrainStepMixin):
     """Draws four uniform numbers each update from a declared generator."""
 

@@ -17,8 +17,9 @@ peak resident memory is reported (once per `jit_compile` setting).
 
 Every backend in `--backends` (TensorFlow, JAX and PyTorch by default) is
 measured in a child process of its own (`KERAS_BACKEND` is fixed at
-import), each against plain Keras on the same backend; a last table puts
-the backends side by side: ms per step of plain Keras, of custom_fit
+import; the backend this process runs is measured here, with PyTorch when
+`OMP_NUM_THREADS=1`), each against plain Keras on the same backend; a last
+table puts the backends side by side: ms per step of plain Keras, of custom_fit
 (`stacked`) and of the hand-written loop on each, and custom_fit's speed-up
 on JAX. On JAX only `jit_compile=true` is measured (`false` runs the step
 un-jitted, op by op) and the loop is a jitted stateless step
@@ -807,7 +808,7 @@ def main(argv):
     )
     results = {}
     for backend in _BACKENDS.value:
-        results[backend] = run_backend_child(backend)
+        results[backend] = measured(backend)
         print(f"\n# Backend: {backend} ({results[backend]['versions']})")
         summary = {}
         for key, result in results[backend]["settings"].items():
@@ -817,6 +818,19 @@ def main(argv):
         print_summary(backend, summary)
     if len(results) > 1:
         print_backends(results)
+
+
+def measured(backend):
+    """Measures `backend`, in this process where it can, else in a child.
+
+    This process measures the backend it runs (PyTorch only with one
+    OpenMP thread); another backend needs a process of its own.
+    """
+    if backend == BACKEND and (
+        backend != "torch" or os.environ.get("OMP_NUM_THREADS") == "1"
+    ):
+        return measure_backend()
+    return run_backend_child(backend)
 
 
 def run_backend_child(backend):

@@ -94,8 +94,31 @@ def pytest_unconfigure(config):
         shutil.rmtree(cache, ignore_errors=True)
 
 
+# The modules whose tests take a minute or more (programs of several
+# processes, Ray clusters, the benchmark's processes, keras-hub models; the
+# durations CI prints), run first: pytest-xdist's `worksteal` gives each
+# worker a contiguous share and lets an idle one take from the end of
+# another's, so long tests at the front end the pass together, where one
+# collected last (Ray's restart, 150 s) ran alone while the other worker
+# waited.
+_SLOW_FIRST = (
+    "ray_train_test.py",
+    "multi_worker_test.py",
+    "jax_multi_process_test.py",
+    "torch_processes_test.py",
+    "recovery_test.py",
+    "benchmarks_test.py",
+    "serialization_test.py",
+    "keras_hub_test.py",
+    "torch_compile_test.py",
+    "model_parallel_test.py",
+)
+
+
 def pytest_collection_modifyitems(config, items):
     del config
+    # Stable: the order within each group is pytest's.
+    items.sort(key=lambda item: item.path.name not in _SLOW_FIRST)
     for item in items:
         for name in _BACKEND_MARKERS:
             if name != BACKEND and item.get_closest_marker(name):

@@ -381,14 +381,7 @@ class KerasModel(_ModelBase):
         return self._step_function("train", force)
 
     def make_test_function(self, force: bool = False) -> StepFunction:
-        """Builds the test function (see `custom_fit._step_functions`).
-
-        Args:
-            force: Bool. Rebuild even if a test function exists.
-
-        Returns:
-            The test function.
-        """
+        """Builds the test function, as `make_train_function` the train one."""
         return self._step_function("test", force)
 
     def _step_function(self, kind: str, force: bool) -> StepFunction:

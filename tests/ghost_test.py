@@ -168,11 +168,7 @@ def private(name, method, mode, **options):
         clipping_method=method,
         **options,
     )
-    model.compile(
-        optimizer=keras.optimizers.SGD(RATE),
-        loss=testing.sparse_crossentropy(),
-        **mode,
-    )
+    testing.compile_sgd(model, RATE, mode)
     return model
 
 
@@ -674,10 +670,7 @@ def compiled_with_layer(layer, method, clip=0.5):
             clipping_method=method,
         )
     )
-    model.compile(
-        optimizer=keras.optimizers.SGD(RATE),
-        loss=testing.sparse_crossentropy(),
-    )
+    testing.compile_sgd(model, RATE)
     return model
 
 
@@ -771,10 +764,7 @@ class ClippingMethodTest(testing.TestCase):
                     clipping_method=method,
                 )
             )
-            model.compile(
-                optimizer=keras.optimizers.SGD(RATE),
-                loss=testing.sparse_crossentropy(),
-            )
+            testing.compile_sgd(model, RATE)
             model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
             self.assertEqual(model.per_example_clipping, "vectorized")
             weights.append(model.get_weights())

@@ -51,6 +51,28 @@ def canary_data(num_examples):
     return ids, targets
 
 
+def assert_draws_refused(test, pattern, split, accumulation, **fit_kwargs):
+    """Asserts a private fit on Poisson draws of 8 examples' rate, each
+    dealt into `split` batches, for a model that updates every
+    `accumulation` batches, is refused with `pattern` before any private
+    step."""
+    ids, targets = canary_data(64)
+    dealt = {"gradient_accumulation_steps": split} if split > 1 else {}
+    sampler = sampling.PoissonSampler(ids, targets, batch_size=8, **dealt)
+    accumulated = (
+        {"gradient_accumulation_steps": accumulation}
+        if accumulation > 1
+        else {}
+    )
+    model = canary_model(
+        64, expected_batch_size=8 * max(split, accumulation), **accumulated
+    )
+    model.compile(optimizer="sgd", loss="mse")
+    with test.assertRaisesRegex(ValueError, pattern):
+        model.fit(sampler, verbose=0, **fit_kwargs)
+    test.assertEqual(model.private_steps, 0)
+
+
 class TableAfterEachCall(keras.callbacks.Callback):
     """Records the table after every call of the train function."""
 
@@ -148,44 +170,31 @@ class PoissonAccumulationTest(testing.TestCase):
         """Accumulation on a sampler whose every batch is a draw of its own
         (an example could be in an update up to 4 times) is refused
         before the first step, naming the fix."""
-        ids, targets = canary_data(64)
-        sampler = sampling.PoissonSampler(ids, targets, batch_size=8)
-        model = canary_model(
-            64, gradient_accumulation_steps=4, expected_batch_size=32
+        assert_draws_refused(
+            self,
+            r"PoissonSampler\(.*gradient_accumulation_steps=4\)",
+            split=1,
+            accumulation=4,
         )
-        model.compile(optimizer="sgd", loss="mse")
-        with self.assertRaisesRegex(
-            ValueError, r"PoissonSampler\(.*gradient_accumulation_steps=4\)"
-        ):
-            model.fit(sampler, verbose=0)
-        self.assertEqual(model.private_steps, 0)
 
     def test_a_split_draw_without_accumulation_is_refused(self):
         """A sampler that deals each draw into 4 batches, for a model that
         updates at every batch: each update would be a part of a draw, no
         Poisson draw of its own. Refused, naming the fix."""
-        ids, targets = canary_data(64)
-        sampler = sampling.PoissonSampler(
-            ids, targets, batch_size=8, gradient_accumulation_steps=4
+        assert_draws_refused(
+            self, "serves each draw as 4 batch", split=4, accumulation=1
         )
-        model = canary_model(64, expected_batch_size=32)
-        model.compile(optimizer="sgd", loss="mse")
-        with self.assertRaisesRegex(ValueError, "serves each draw as 4 batch"):
-            model.fit(sampler, verbose=0)
 
     def test_shuffling_a_split_draw_is_refused(self):
         """`shuffle=True` would mix the batches of several draws in one
         update: refused."""
-        ids, targets = canary_data(64)
-        sampler = sampling.PoissonSampler(
-            ids, targets, batch_size=8, gradient_accumulation_steps=4
+        assert_draws_refused(
+            self,
+            "Received: shuffle=True",
+            split=4,
+            accumulation=4,
+            shuffle=True,
         )
-        model = canary_model(
-            64, gradient_accumulation_steps=4, expected_batch_size=32
-        )
-        model.compile(optimizer="sgd", loss="mse")
-        with self.assertRaisesRegex(ValueError, "Received: shuffle=True"):
-            model.fit(sampler, shuffle=True, verbose=0)
 
 
 class ShuffledAccumulationTest(testing.TestCase):
@@ -745,16 +754,13 @@ class ReviewedPathsTest(testing.TestCase):
         """Accumulation on a sampler with `steps_per_epoch` shorter than
         its batches: Keras keeps the iterator across epochs, so an update
         could take parts of draws of two epochs. Refused."""
-        ids, targets = canary_data(64)
-        sampler = sampling.PoissonSampler(
-            ids, targets, batch_size=8, gradient_accumulation_steps=2
+        assert_draws_refused(
+            self,
+            "steps_per_epoch=2 for a",
+            split=2,
+            accumulation=2,
+            steps_per_epoch=2,
         )
-        model = canary_model(
-            64, gradient_accumulation_steps=2, expected_batch_size=16
-        )
-        model.compile(optimizer="sgd", loss="mse")
-        with self.assertRaisesRegex(ValueError, "steps_per_epoch=2 for a"):
-            model.fit(sampler, steps_per_epoch=2, verbose=0)
 
     def test_stated_sampling_with_accumulation_is_checked_too(self):
         """A generator stated as Poisson draws, with accumulation: each

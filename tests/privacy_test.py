@@ -503,11 +503,7 @@ class DifferentialPrivacyMixinTest(testing.TestCase):
             noise_multiplier=0.0,
             num_microbatches=num_microbatches,
         )
-        model.compile(
-            optimizer=keras.optimizers.SGD(RATE),
-            loss=testing.sparse_crossentropy(),
-            **mode,
-        )
+        testing.compile_sgd(model, RATE, mode)
         history = model.fit(
             x,
             y,
@@ -534,11 +530,7 @@ class DifferentialPrivacyMixinTest(testing.TestCase):
         tokens = rng.randint(0, 20, size=(4 * BATCH, 6))
         y = rng.randint(0, 3, size=4 * BATCH)
         model = text_model(PrivateNet, l2_norm_clip=1.1, noise_multiplier=0.0)
-        model.compile(
-            optimizer=keras.optimizers.SGD(RATE),
-            loss=testing.sparse_crossentropy(),
-            **mode,
-        )
+        testing.compile_sgd(model, RATE, mode)
         model.fit(tokens, y, batch_size=BATCH, shuffle=False, verbose=0)
         oracle = text_model()
         fraction = oracle_training(oracle, tokens, y, None, clip=1.1)
@@ -557,10 +549,7 @@ class DifferentialPrivacyMixinTest(testing.TestCase):
             noise_multiplier=0.0,
             clipping_method="vectorized",
         )
-        model.compile(
-            optimizer=keras.optimizers.SGD(RATE),
-            loss=testing.sparse_crossentropy(),
-        )
+        testing.compile_sgd(model, RATE)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
@@ -581,10 +570,7 @@ class DifferentialPrivacyMixinTest(testing.TestCase):
             model = testing.mlp(
                 PrivateNet, l2_norm_clip=CLIP, noise_multiplier=0.0
             )
-            model.compile(
-                optimizer=keras.optimizers.SGD(RATE),
-                loss=testing.sparse_crossentropy(),
-            )
+            testing.compile_sgd(model, RATE)
             model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
         oracle = testing.mlp()
         oracle_training(oracle, x, y, None)
@@ -668,11 +654,7 @@ class DifferentialPrivacyMixinTest(testing.TestCase):
             noise_multiplier=0.0,
             skip_nonfinite=skip_nonfinite,
         )
-        model.compile(
-            optimizer=keras.optimizers.SGD(RATE),
-            loss=testing.sparse_crossentropy(),
-            **mode,
-        )
+        testing.compile_sgd(model, RATE, mode)
         history = model.fit(
             x, y, batch_size=BATCH, shuffle=False, verbose=0
         ).history
@@ -697,10 +679,7 @@ class DifferentialPrivacyMixinTest(testing.TestCase):
                 noise_multiplier=1.3,
                 noise_seed=5,
             )
-            model.compile(
-                optimizer=keras.optimizers.SGD(RATE),
-                loss=testing.sparse_crossentropy(),
-            )
+            testing.compile_sgd(model, RATE)
             model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
             oracle = testing.mlp()
             oracle_training(oracle, x, y, None)
@@ -747,11 +726,7 @@ class DifferentialPrivacyMixinTest(testing.TestCase):
             noise_multiplier=0.0,
             expected_batch_size=sampler.batch_size,
         )
-        model.compile(
-            optimizer=keras.optimizers.SGD(RATE),
-            loss=testing.sparse_crossentropy(),
-            **mode,
-        )
+        testing.compile_sgd(model, RATE, mode)
         model.fit(sampler, epochs=2, verbose=0)
         # The last 8 served: on JAX the first call of a train function runs
         # a discovery pass on one batch first, whose result is not kept.
@@ -815,11 +790,7 @@ class AccumulationTest(testing.TestCase):
         )
         logical = testing.mlp(PrivateNet, **options)
         for model, batch in ((accumulating, 8), (logical, 32)):
-            model.compile(
-                optimizer=keras.optimizers.SGD(RATE),
-                loss=testing.sparse_crossentropy(),
-                **mode,
-            )
+            testing.compile_sgd(model, RATE, mode)
             model.fit(x, y, batch_size=batch, shuffle=False, verbose=0)
         self.assertAllClose(
             accumulating.get_weights(), logical.get_weights(), atol=1e-6
@@ -837,10 +808,7 @@ class AccumulationTest(testing.TestCase):
             noise_multiplier=0.0,
             gradient_accumulation_steps=2,
         )
-        model.compile(
-            optimizer=keras.optimizers.SGD(RATE),
-            loss=testing.sparse_crossentropy(),
-        )
+        testing.compile_sgd(model, RATE)
         oracle = testing.mlp(keras.Model)
         model.fit(x, y, batch_size=BATCH // 2, shuffle=False, verbose=0)
         oracle_training(oracle, x, y, None)
@@ -1179,11 +1147,7 @@ class PrivacyBudgetTest(testing.TestCase):
             noise_multiplier=noise_multiplier,
             **options,
         )
-        model.compile(
-            optimizer=keras.optimizers.SGD(RATE),
-            loss=testing.sparse_crossentropy(),
-            **(mode or {}),
-        )
+        testing.compile_sgd(model, RATE, mode)
         return model
 
     @parameterized.named_parameters(

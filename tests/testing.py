@@ -157,6 +157,30 @@ class TestCase(parameterized.TestCase):
             model_a.get_weights(), model_b.get_weights(), atol=atol
         )
 
+    def assertDataParallelEqualsOneDevice(self, train, atol=1e-6, rtol=1e-5):
+        """Asserts a run over two devices (JAX's `DataParallel`) equals it
+        on one device: weights within `atol`, the same log keys, each log
+        within `rtol`.
+
+        Args:
+            train: A function of no arguments that builds, compiles and
+                fits a model, returning `(model, history dict)`; called
+                once on one device, once under `data_parallel`.
+
+        Returns:
+            The models `(single, parallel)`.
+        """
+        single, single_logs = train()
+        with data_parallel():
+            parallel, parallel_logs = train()
+        self.assertWeightsClose(parallel, single, atol=atol)
+        self.assertEqual(sorted(parallel_logs), sorted(single_logs))
+        for key in single_logs:
+            self.assertAllClose(
+                parallel_logs[key], single_logs[key], rtol=rtol, msg=key
+            )
+        return single, parallel
+
 
 @functools.cache
 def mirrored_strategy():
@@ -258,6 +282,17 @@ def mlp(
 def sparse_crossentropy():
     """Returns the loss used with `mlp` (logits, integer labels)."""
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def compile_sgd(model, rate, mode=None):
+    """Compiles `model` with SGD(`rate`) and `sparse_crossentropy`, in the
+    execution `mode` (`compile`'s keywords) if given; returns it."""
+    model.compile(
+        optimizer=keras.optimizers.SGD(rate),
+        loss=sparse_crossentropy(),
+        **(mode or {}),
+    )
+    return model
 
 
 def fit_one_epoch_sgd(

@@ -91,6 +91,30 @@ class TorchDataParallelExampleTest(testing.TestCase):
 
 @pytest.mark.torch
 class TorchProcessesTest(testing.TestCase):
+    def assert_processes_agree_unlike_one(self, configuration):
+        """Asserts both processes end on the same weights (atol 1e-6),
+        which differ from the single process' (by more than 1e-3): secret
+        seeds of process 0's, another secret in the single process."""
+        keys = [
+            k
+            for k in self.saved["single"]
+            if k.startswith(f"{configuration}/weight_")
+        ]
+        self.assertNotEmpty(keys)
+        for key in keys:
+            self.assertAllClose(
+                self.saved["process_1"][key],
+                self.saved["process_0"][key],
+                atol=1e-6,
+                rtol=0,
+                msg=key,
+            )
+        difference = max(
+            np.abs(self.saved["process_0"][k] - self.saved["single"][k]).max()
+            for k in keys
+        )
+        self.assertGreater(difference, 1e-3)
+
     @classmethod
     def setUpClass(cls):
         """Fits every configuration in two processes, then in one."""
@@ -201,29 +225,7 @@ class TorchProcessesTest(testing.TestCase):
         secret seed of its own, and `fit` hands process 0's to the other,
         so both end on the same weights (atol 1e-6), which differ from the
         single process' (another secret seed: other noise)."""
-        keys = [
-            k
-            for k in self.saved["single"]
-            if k.startswith("dp_secret_seed/weight_")
-        ]
-        self.assertNotEmpty(keys)
-        for key in keys:
-            self.assertAllClose(
-                self.saved["process_1"][key],
-                self.saved["process_0"][key],
-                atol=1e-6,
-                rtol=0,
-                msg=key,
-            )
-        self.assertGreater(
-            max(
-                np.abs(
-                    self.saved["process_0"][k] - self.saved["single"][k]
-                ).max()
-                for k in keys
-            ),
-            1e-3,
-        )
+        self.assert_processes_agree_unlike_one("dp_secret_seed")
 
     def test_guard_and_spike_rule_act_in_both_processes(self):
         """The oracle run skips a NaN batch and a spike in the first epoch,
@@ -404,29 +406,7 @@ class TorchProcessesTest(testing.TestCase):
         hands process 0's to the other, so both train on the same draws
         with the same noise and end equal (atol 1e-6), unlike the single
         process (other secret seeds)."""
-        keys = [
-            k
-            for k in self.saved["single"]
-            if k.startswith("poisson_secret/weight_")
-        ]
-        self.assertNotEmpty(keys)
-        for key in keys:
-            self.assertAllClose(
-                self.saved["process_1"][key],
-                self.saved["process_0"][key],
-                atol=1e-6,
-                rtol=0,
-                msg=key,
-            )
-        self.assertGreater(
-            max(
-                np.abs(
-                    self.saved["process_0"][k] - self.saved["single"][k]
-                ).max()
-                for k in keys
-            ),
-            1e-3,
-        )
+        self.assert_processes_agree_unlike_one("poisson_secret")
 
     def test_accumulated_poisson_draws_hold_each_example_once(self):
         """Gradient-space count over two processes: with a sampler that

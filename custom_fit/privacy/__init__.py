@@ -7,7 +7,8 @@ package's modules, by concern:
 
 - `privacy_mixin`: `DifferentialPrivacyMixin`, DP-SGD as a step of `fit`
   (its checks of a run before the first step in `_fit_checks`, its
-  clipped sums in `_clipped_sums`);
+  clipped sums in `_clipped_sums`, what it keeps on the host between
+  fits in `_record`);
 - `accounting`: clipping, noise, and what a run spends (dp-accounting);
 - `per_example`: each example's clipped gradient, vectorized or by ghost
   norms, summed; `ghost` the ghost norms' pure math, `_ghost_layers`

@@ -49,14 +49,7 @@ def step_sums(
         found = ghost_sums(model, loss_function, weighted, optimizer)
     if found is None:
         loss, y_pred = loss_function()
-        clipped = vectorized_sums(
-            model,
-            loss_function.x,
-            loss_function.y,
-            loss_function.sample_weight,
-            weighted,
-            optimizer,
-        )
+        clipped = vectorized_sums(model, loss_function, weighted, optimizer)
     else:
         loss, y_pred, clipped = found
     sums = iter(clipped)
@@ -99,24 +92,23 @@ def record_audit(
 
 def vectorized_sums(
     model: Any,
-    x: Any,
-    y: Any,
-    sample_weight: Any,
+    loss_function: BatchLoss,
     variables: list[Variable],
     optimizer: Optimizer,
 ) -> Gradients:
     """Returns the sums of the clipped microbatch gradients, vectorized.
 
-    Summed across replicas (`per_example.vectorized_clipped_sums`); the
-    number of microbatches of the global batch is kept for
-    `finalize_gradients` (`local.dp_microbatches`).
+    Summed across replicas (`per_example.vectorized_clipped_sums`, on the
+    batch of `loss_function`); the number of microbatches of the global
+    batch is kept for `finalize_gradients` (`local.dp_microbatches`).
     """
+    x = loss_function.x
     microbatches = microbatch_count(model, x)
     clipped, vectorized = per_example.vectorized_clipped_sums(
         model,
         x,
-        y,
-        sample_weight,
+        loss_function.y,
+        loss_function.sample_weight,
         variables,
         optimizer,
         ops.cast(model.l2_norm_clip, "float32"),

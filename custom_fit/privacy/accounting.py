@@ -847,7 +847,9 @@ def _spent(
 ) -> float:
     """Returns dp-accounting's epsilon for checked arguments."""
     try:
-        import dp_accounting  # noqa: F401  (used in `_ledger_epsilon`)
+        import dp_accounting
+        from dp_accounting import pld
+        from dp_accounting import rdp
     except ImportError as error:
         raise ImportError(
             "custom_fit.privacy computes epsilon with Google's "
@@ -857,16 +859,21 @@ def _spent(
         ) from error
     if steps == 0:
         return 0.0
-    with _quiet_accountant():
-        return _ledger_epsilon(
+    gaussian = dp_accounting.GaussianDpEvent(noise_multiplier)
+    if sampling == "poisson":
+        event = dp_accounting.SelfComposedDpEvent(
+            dp_accounting.PoissonSampledDpEvent(
+                batch_size / num_examples, gaussian
+            ),
             steps,
-            batch_size,
-            num_examples,
-            noise_multiplier,
-            delta,
-            accountant,
-            sampling,
         )
+    else:
+        epochs = -(-steps // _steps_per_epoch(batch_size, num_examples))
+        event = dp_accounting.SelfComposedDpEvent(gaussian, epochs)
+    ledger = rdp.RdpAccountant() if accountant == "rdp" else pld.PLDAccountant()
+    with _quiet_accountant():
+        ledger.compose(event)
+        return float(ledger.get_epsilon(delta))
 
 
 @contextlib.contextmanager
@@ -884,36 +891,6 @@ def _quiet_accountant() -> Iterator[None]:
         yield
     finally:
         log.setLevel(level)
-
-
-def _ledger_epsilon(
-    steps: int,
-    batch_size: int,
-    num_examples: int,
-    noise_multiplier: float,
-    delta: float,
-    accountant: str,
-    sampling: str,
-) -> float:
-    """Returns dp-accounting's epsilon of the run (dp-accounting imported)."""
-    import dp_accounting
-    from dp_accounting import pld
-    from dp_accounting import rdp
-
-    gaussian = dp_accounting.GaussianDpEvent(noise_multiplier)
-    if sampling == "poisson":
-        event = dp_accounting.SelfComposedDpEvent(
-            dp_accounting.PoissonSampledDpEvent(
-                batch_size / num_examples, gaussian
-            ),
-            steps,
-        )
-    else:
-        epochs = -(-steps // _steps_per_epoch(batch_size, num_examples))
-        event = dp_accounting.SelfComposedDpEvent(gaussian, epochs)
-    ledger = rdp.RdpAccountant() if accountant == "rdp" else pld.PLDAccountant()
-    ledger.compose(event)
-    return float(ledger.get_epsilon(delta))
 
 
 def _steps_per_epoch(batch_size: int, num_examples: int) -> int:

@@ -105,7 +105,7 @@ _MEMORY_CHILD = flags.DEFINE_string(
 _BACKENDS = flags.DEFINE_list(
     "backends",
     ["tensorflow", "jax", "torch"],
-    "Keras backends, each in a child.",
+    "Keras backends, each in a child (this process' own here).",
 )
 _BACKEND_CHILD = flags.DEFINE_bool(
     "backend_child", False, "Internal: measure this process's backend."

@@ -15,6 +15,7 @@ from custom_fit import pcgrad
 from custom_fit import per_example
 from custom_fit import pipeline
 from custom_fit import privacy
+from custom_fit import privacy_mixin  # noqa: F401  (its earlier path)
 from custom_fit import regularization
 from custom_fit import sampling
 from custom_fit import sharpness

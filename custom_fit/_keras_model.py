@@ -292,6 +292,8 @@ class KerasModel(_ModelBase):
         _fit_data.check_processes_agree(
             _fit_data.fit_batches(arguments), x, shuffled
         )
+        for model in _model_state.models_in(self):
+            _options.agree_on_secret_seeds(model)
         _fit_data.check_keras_shards(
             x, arguments.get("steps_per_epoch"), "training"
         )

@@ -37,6 +37,8 @@ class ModelState:
             traces each replica in a thread of its own).
         records: Dict of a mixin's key to what it keeps on the host
             (`record_of`).
+        seeded: Dict of a declared `Seeds`' name to the seed its
+            generator was made with.
     """
 
     def __init__(self) -> None:
@@ -55,6 +57,8 @@ class ModelState:
         # What a mixin keeps on the host beside its declared state, by
         # the mixin's key (`record_of`).
         self.records: dict[str, Any] = {}
+        # The seed each declared `Seeds` generator was made with.
+        self.seeded: dict[str, Any] = {}
 
 
 def state_of(model: Any) -> ModelState:

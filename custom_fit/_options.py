@@ -219,7 +219,8 @@ class State:
         shape: Tuple of ints. The variable's shape. Defaults to `()`.
         dtype: String. Its dtype. Defaults to `"float32"`.
         requires: Tuple of option names: the variable is made only when
-            one of them is set (away from its default). Defaults to `()`
+            one of them is set (away from `None`, `False` and the default
+            the class that first declares it gives it). Defaults to `()`
             (always).
 
     Example:
@@ -348,9 +349,21 @@ class Seeds(State):
     def make(self, instance: object) -> Any:
         """Returns the generator of `instance`, seeded by its option."""
         seed = getattr(instance, self.seed_option)
+        _model_state.state_of(instance).seeded[self.name] = seed
         if self.secret:
             return backend.current().secret_seeds(seed)
         return keras.random.SeedGenerator(seed)
+
+    def reseed(self, instance: object, generator: Any) -> None:
+        """Seeds `generator` again if its option changed since it was made.
+
+        Options applied after the model was built (`from_config` for a
+        model Keras builds another way) configure it a second time.
+        """
+        seed = getattr(instance, self.seed_option)
+        if _same(seed, _model_state.state_of(instance).seeded.get(self.name)):
+            return
+        generator.state.assign(self.make(instance).state.value)
 
 
 def declared_states(cls: type) -> dict[str, State]:
@@ -370,14 +383,15 @@ def make_states(instance: object) -> None:
     class that first declares each gives it) are not made.
     """
     state = _model_state.state_of(instance)
-    defaults = _first_defaults(type(instance))
-    for name, declared in declared_states(type(instance)).items():
+    cls = type(instance)
+    for name, declared in declared_states(cls).items():
+        if isinstance(declared, Seeds) and name in state.declared:
+            declared.reseed(instance, state.declared[name])
+            continue
         if name in state.declared:
             continue
         if declared.requires and not any(
-            other in defaults
-            and _is_set(getattr(instance, other))
-            and not _same(getattr(instance, other), defaults[other])
+            _set_in(cls, other, getattr(instance, other))
             for other in declared.requires
         ):
             continue
@@ -405,6 +419,36 @@ def _first_defaults(cls: type) -> dict[str, Any]:
             if isinstance(attribute, Option) and name not in defaults:
                 defaults[name] = attribute.default
     return defaults
+
+
+def _set_in(cls: type, name: str, value: Any) -> bool:
+    """Whether option `name` of a `cls` model counts as set.
+
+    Set: away from `None`, `False` and the default its first declarer
+    gives it (what a `State`'s and an option's `requires` look at;
+    `excludes` compares with that default alone).
+    """
+    defaults = _first_defaults(cls)
+    return (
+        name in defaults
+        and _is_set(value)
+        and not _same(value, defaults[name])
+    )
+
+
+def agree_on_secret_seeds(instance: object) -> None:
+    """Gives each secret `Seeds` generator of a model process 0's state.
+
+    Over several processes (JAX's, PyTorch's), a collective every process
+    calls before training: a secret seed is drawn in each process (JAX's
+    is a public placeholder until then), and the step must draw the same
+    numbers in all. Nothing in one process.
+    """
+    made = _model_state.state_of(instance).declared
+    for name, declared in declared_states(type(instance)).items():
+        if isinstance(declared, Seeds) and declared.secret and name in made:
+            given = getattr(instance, declared.seed_option) is not None
+            backend.current().agree_on_seeds(made[name], given=given)
 
 
 def declared_options(cls: type) -> dict[str, Option]:
@@ -813,13 +857,7 @@ def _requirements_met(
     `value_of(name)` reads another option's value (of a model, or of a
     saved config); `cls` is the model's class.
     """
-    declared = declared_options(cls)
-    if any(
-        other in declared
-        and _is_set(value_of(other))
-        and not _same(value_of(other), declared[other].default)
-        for other in option.requires
-    ):
+    if any(_set_in(cls, other, value_of(other)) for other in option.requires):
         return True
     capability = option.or_capability
     return bool(capability and getattr(cls, capability, False))
@@ -840,10 +878,10 @@ def _check_requirements(instance: object, name: str, option: Option) -> None:
         )
     if _same(value, option.default):
         return
-    options = declared_options(type(instance))
+    defaults = _first_defaults(type(instance))
     for other in option.excludes:
-        if other in options and not _same(
-            getattr(instance, other), options[other].default
+        if other in defaults and not _same(
+            getattr(instance, other), defaults[other]
         ):
             raise ValueError(
                 f"Pass only one of `{name}` and `{other}`. Received: "

@@ -157,7 +157,7 @@ def refuse_options_hiding_keras(cls: type) -> None:
 
 
 def check_declared_options(cls: type) -> None:
-    """Raises for an option declared twice, or naming no option.
+    """Raises for an option or state declared twice, or naming no option.
 
     An option declared again by a class that does not derive from the
     first declarer would hide the first declaration from the mixin that
@@ -202,6 +202,25 @@ def check_declared_options(cls: type) -> None:
                         f"Received: {argument}={getattr(attribute, argument)}. "
                         "Name declared options only."
                     )
+    states: dict[str, type] = {}
+    for klass in reversed(cls.__mro__):
+        for name, attribute in vars(klass).items():
+            if not isinstance(attribute, _options.State):
+                continue
+            first = states.get(name)
+            if first is not None and not issubclass(klass, first):
+                # Another mixin's state of the same name would replace the
+                # first mixin's (DP-SGD's noise generator, the guard's
+                # counter) for the code that reads it.
+                raise TypeError(
+                    f"{klass.__name__} declares the state `{name}`, which "
+                    f"{_options.shown_class(first)} declares already: the "
+                    "second would replace the first for the mixin that "
+                    f"reads it. Received: {klass.__name__}.{name} = "
+                    f"{type(attribute).__name__}(...). Give your state "
+                    "another name."
+                )
+            states[name] = klass
     if not _is_model_class(cls):
         return
     options = _options.declared_options(cls)

@@ -33,11 +33,14 @@ from custom_fit import options
 class GradientNoiseMixin(custom_fit.TrainStepMixin):
     gradient_noise_stddev = options.Option(
         0.0, options.non_negative_float, schedulable=True)
+    gradient_noise_seed = options.Option(None, options.seed_or_none)
+    noise_seeds = options.Seeds("gradient_noise_seed")
 
     def transform_gradients(self, gradients, variables):
         stddev = self.option_in_step("gradient_noise_stddev")
         gradients = [
-            g + stddev * keras.random.normal(ops.shape(g))
+            g + stddev * keras.random.normal(
+                ops.shape(g), seed=self.noise_seeds)
             for g in gradients]
         return super().transform_gradients(gradients, variables)
 ```

@@ -72,10 +72,8 @@ class GradientNoiseMixin(custom_fit.TrainStepMixin):
     gradient_noise_seed = options.Option(
         None, options.seed_or_none, requires=("gradient_noise_stddev",)
     )
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.noise_seeds = keras.random.SeedGenerator(self.gradient_noise_seed)
+    # The noise's generator, seeded by the option above.
+    noise_seeds = options.Seeds("gradient_noise_seed")
 
     def transform_gradients(self, gradients, variables):
         """Adds the noise, then runs the mixins after this one."""

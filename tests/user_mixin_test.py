@@ -367,6 +367,9 @@ class NarrowedDefaultTest(testing.TestCase):
         for a, b in zip(found["narrowed"], found["given"]):
             self.assertAllClose(a, b)
             self.assertTrue(np.isfinite(a).all())
+        # The options that require the guard see it on too.
+        model = testing.mlp(AlwaysGuardedNet, max_consecutive_skipped_steps=5)
+        self.assertEqual(model.max_consecutive_skipped_steps, 5)
 
 
 class DrawMixin(custom_fit.TrainStepMixin):
@@ -449,6 +452,38 @@ class SeedsTest(testing.TestCase):
 
         with self.assertRaisesRegex(ValueError, "seed_option=''"):
             options.Seeds("")
+
+    def test_another_mixins_state_of_the_same_name_is_refused(self):
+        """A mixin declaring a state another mixin declares would replace
+        it for the mixin that reads it (here DP-SGD's secret noise
+        generator by a public one): refused when the model class is
+        made."""
+
+        class PublicNoise(custom_fit.TrainStepMixin):
+            my_seed = options.Option(None, options.seed_or_none)
+            _noise_seeds = options.Seeds("my_seed")
+
+        with self.assertRaisesRegex(TypeError, "`_noise_seeds`"):
+
+            class Net(
+                PublicNoise, custom_fit.DifferentialPrivacyMixin, keras.Model
+            ):
+                pass
+
+    def test_options_applied_again_seed_the_generator_again(self):
+        """Options applied after the model was made (as `from_config` does
+        for a model Keras builds another way) seed its generator anew:
+        it then draws what Keras' own generator with that seed draws."""
+        x, y = testing.classification_data(samples=8)
+        model = testing.mlp(DrawNet)
+        model._configure_options({"draw_seed": 3})
+        model.compile(optimizer="sgd", loss=testing.sparse_crossentropy())
+        model.fit(x, y, batch_size=8, verbose=0)
+        reference = keras.random.SeedGenerator(3)
+        self.assertAllClose(
+            testing.to_numpy(model.last_draw),
+            testing.to_numpy(keras.random.uniform((4,), seed=reference)),
+        )
 
 
 class UnitNormMixin(custom_fit.TrainStepMixin):

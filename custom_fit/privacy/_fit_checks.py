@@ -562,7 +562,7 @@ def close_open_windows(model: Any) -> None:
                 "that are multiples of gradient_accumulation_steps) to "
                 "lose none.",
                 UserWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
 
 

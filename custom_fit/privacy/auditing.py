@@ -90,7 +90,7 @@ def epsilon_lower_bound(
     canaries' inclusion, the noise), the returned value is at most the
     run's true epsilon at `delta`: above the accountant's figure, it shows
     the run leaks more than its accountant says. It is a lower bound: a
-    small value shows nothing about the run's accounting.
+    small value shows nothing about the run's privacy.
 
     Args:
         in_scores: 1-D array-like of floats, the scores of the included

@@ -16,8 +16,8 @@ algorithms compute it, with the same result:
   held; a layer of another kind (a LayerNormalization, a custom layer
   whose weights are all its own) has its inputs and output gradients
   recorded too, and its per-example gradients computed for it alone
-  (`_whole_terms`). One example per microbatch (`custom_fit._ghost_layers`
-  says which models).
+  (`_whole_terms`). One example per microbatch
+  (`custom_fit.privacy._ghost_layers` says which models).
 
 `DifferentialPrivacyMixin` chooses between them, adds the noise and
 divides; these functions are the algorithms, given the model whose step

@@ -249,7 +249,11 @@ class DifferentialPrivacyMixin(TrainStepMixin):
     _noise_seeds = _options.Seeds("noise_seed", secret=True)
 
     def _configure_options(self, options: dict[str, Any]) -> None:
-        """Checks the options; makes the noise's generator and the count."""
+        """Checks the options.
+
+        The noise's generator and the step count are declared state, made
+        before (`TrainStepMixin._configure_options`).
+        """
         super()._configure_options(options)
         if self.per_loss_gradients:
             raise ValueError(
@@ -340,9 +344,6 @@ class DifferentialPrivacyMixin(TrainStepMixin):
         _fit_checks.check_examples_apart(self, arguments)
         _fit_checks.close_open_windows(self)
         record = _record.of(self)
-        backend.current().agree_on_seeds(
-            self._noise_seeds, given=self.noise_seed is not None
-        )
         x = arguments.get("x")
         resumed = _fit_checks.ResumedRun(
             self, x if _fit_data.is_sampler(x) else None
@@ -560,7 +561,7 @@ class DifferentialPrivacyMixin(TrainStepMixin):
         In a fit audited by `auditing.CanaryAudit`, the batch's canary
         rows are told apart by their sample weights first: they reach the
         model's loss with weight 0, and their gradients only the audit's
-        slot (`custom_fit._canaries`).
+        slot (`custom_fit.privacy._canaries`).
         """
         state = _model_state.state_of(self)
         if _record.of(self).audit is not None:

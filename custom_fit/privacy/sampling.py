@@ -215,7 +215,7 @@ class PoissonSampler(keras.utils.PyDataset):
         self._share: tuple[int, int] | None = None
 
     # How the batches are drawn, which `DifferentialPrivacyMixin.fit` checks
-    # against the model and its noise (`custom_fit.privacy.check_run`).
+    # against the model and its noise (`accounting.check_run`).
     sampling = "poisson"
 
     def __len__(self) -> int:
@@ -324,10 +324,10 @@ class PoissonSampler(keras.utils.PyDataset):
 
         A private model's `fit` calls it for a sampler with a given seed
         that has trained no epoch, with a key of the model's update count
-        and weights (`custom_fit.privacy.stream_key`): the same start draws
-        the same batches (a reproducible run), and a run that continues an
-        earlier one (a loaded model, `BackupAndRestore`) none of the earlier
-        run's.
+        and weights (`custom_fit.privacy.accounting.stream_key`): the same
+        start draws the same batches (a reproducible run), and a run that
+        continues an earlier one (a loaded model, `BackupAndRestore`) none
+        of the earlier run's.
 
         Args:
             start: Integer >= 1. The key of the run's start.

@@ -390,8 +390,9 @@ def make_states(instance: object) -> None:
             continue
         if name in state.declared:
             continue
+        options = _first_defaults(cls)
         if declared.requires and not any(
-            _set_in(cls, other, getattr(instance, other))
+            other in options and _set_in(cls, other, getattr(instance, other))
             for other in declared.requires
         ):
             continue
@@ -857,7 +858,11 @@ def _requirements_met(
     `value_of(name)` reads another option's value (of a model, or of a
     saved config); `cls` is the model's class.
     """
-    if any(_set_in(cls, other, value_of(other)) for other in option.requires):
+    declared = _first_defaults(cls)
+    if any(
+        other in declared and _set_in(cls, other, value_of(other))
+        for other in option.requires
+    ):
         return True
     capability = option.or_capability
     return bool(capability and getattr(cls, capability, False))

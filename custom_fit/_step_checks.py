@@ -168,23 +168,32 @@ def check_declared_options(cls: type) -> None:
     Raises:
         TypeError: Naming the option, the classes and the fix.
     """
-    owners: dict[str, type] = {}
+    owners: dict[tuple[str, str], type] = {}
     for klass in reversed(cls.__mro__):
         for name, attribute in vars(klass).items():
-            if not isinstance(attribute, _options.Option):
+            if isinstance(attribute, _options.Option):
+                kind = "option"
+            elif isinstance(attribute, _options.State):
+                kind = "state"
+            else:
                 continue
-            first = owners.get(name)
+            first = owners.get((kind, name))
             if first is not None and not issubclass(klass, first):
                 # A subclass may narrow its base's option (PCGradMixin's
-                # `per_loss_gradients`); another mixin may not hide it.
+                # `per_loss_gradients`); another mixin may not hide it, nor
+                # replace a state (DP-SGD's noise generator, the guard's
+                # counter) for the mixin that reads it.
                 raise TypeError(
-                    f"{klass.__name__} declares the option `{name}`, which "
+                    f"{klass.__name__} declares the {kind} `{name}`, which "
                     f"{_options.shown_class(first)} declares already: the "
                     "second would hide the first from the mixin that reads "
-                    f"it. Received: {klass.__name__}.{name} = Option(...). "
-                    "Give your option another name."
+                    f"it. Received: {klass.__name__}.{name} = "
+                    f"{type(attribute).__name__}(...). Give your {kind} "
+                    "another name."
                 )
-            owners[name] = klass
+            owners[(kind, name)] = klass
+            if kind == "state":
+                continue
             _check_default(klass, name, attribute)
             if not _is_model_class(cls):
                 # Options named may be declared by mixins defined later.
@@ -202,25 +211,6 @@ def check_declared_options(cls: type) -> None:
                         f"Received: {argument}={getattr(attribute, argument)}. "
                         "Name declared options only."
                     )
-    states: dict[str, type] = {}
-    for klass in reversed(cls.__mro__):
-        for name, attribute in vars(klass).items():
-            if not isinstance(attribute, _options.State):
-                continue
-            first = states.get(name)
-            if first is not None and not issubclass(klass, first):
-                # Another mixin's state of the same name would replace the
-                # first mixin's (DP-SGD's noise generator, the guard's
-                # counter) for the code that reads it.
-                raise TypeError(
-                    f"{klass.__name__} declares the state `{name}`, which "
-                    f"{_options.shown_class(first)} declares already: the "
-                    "second would replace the first for the mixin that "
-                    f"reads it. Received: {klass.__name__}.{name} = "
-                    f"{type(attribute).__name__}(...). Give your state "
-                    "another name."
-                )
-            states[name] = klass
     if not _is_model_class(cls):
         return
     options = _options.declared_options(cls)

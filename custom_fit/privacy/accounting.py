@@ -1,21 +1,9 @@
-"""Differential privacy: per-example clipping, noise, and the accountant.
+"""The accountant and DP-SGD's arithmetic: `custom_fit.privacy`'s names.
 
-DP-SGD (Abadi et al. 2016, "Deep Learning with Differential Privacy")
-bounds each example's influence on an update: the gradient of every
-microbatch (one example, or a group of consecutive examples) is clipped to
-an L2 norm of `l2_norm_clip` over all trainable variables, the clipped
-gradients are summed, Gaussian noise of standard deviation
-`noise_multiplier * l2_norm_clip` is added once per coordinate, and the
-sum is divided by the number of microbatches (TensorFlow Privacy's
-convention). `DifferentialPrivacyMixin` runs this inside `fit`; these are
-its pure parts, and the accountant that says what a run spends:
-
-```python
-epsilon = custom_fit.privacy.epsilon(
-    steps=60 * 60000 // 256, batch_size=256, num_examples=60000,
-    noise_multiplier=1.1, delta=1e-5,
-)
-```
+Clipping (`clip_and_sum`, `clip_factors`), the noise (`add_noise`), what a
+run spends (`epsilon`, `calibrate_noise`, `CalibratedNoise`), and the
+helpers `DifferentialPrivacyMixin.fit` checks a run with. The package's
+docstring tells DP-SGD; these names are exported there.
 """
 
 import contextlib

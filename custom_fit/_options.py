@@ -383,16 +383,16 @@ def make_states(instance: object) -> None:
     class that first declares each gives it) are not made.
     """
     state = _model_state.state_of(instance)
-    cls = type(instance)
-    for name, declared in declared_states(cls).items():
+    defaults = _first_defaults(type(instance))
+    for name, declared in declared_states(type(instance)).items():
         if isinstance(declared, Seeds) and name in state.declared:
             declared.reseed(instance, state.declared[name])
             continue
         if name in state.declared:
             continue
-        options = _first_defaults(cls)
         if declared.requires and not any(
-            other in options and _set_in(cls, other, getattr(instance, other))
+            other in defaults
+            and _counts_as_set(getattr(instance, other), defaults[other])
             for other in declared.requires
         ):
             continue
@@ -422,19 +422,13 @@ def _first_defaults(cls: type) -> dict[str, Any]:
     return defaults
 
 
-def _set_in(cls: type, name: str, value: Any) -> bool:
-    """Whether option `name` of a `cls` model counts as set.
+def _counts_as_set(value: Any, default: Any) -> bool:
+    """Whether an option's `value` counts as set for what `requires` it.
 
-    Set: away from `None`, `False` and the default its first declarer
-    gives it (what a `State`'s and an option's `requires` look at;
-    `excludes` compares with that default alone).
+    Away from `None`, `False` and `default` (the one its first declarer
+    gives, `_first_defaults`); `excludes` compares with the default alone.
     """
-    defaults = _first_defaults(cls)
-    return (
-        name in defaults
-        and _is_set(value)
-        and not _same(value, defaults[name])
-    )
+    return _is_set(value) and not _same(value, default)
 
 
 def agree_on_secret_seeds(instance: object) -> None:
@@ -858,9 +852,9 @@ def _requirements_met(
     `value_of(name)` reads another option's value (of a model, or of a
     saved config); `cls` is the model's class.
     """
-    declared = _first_defaults(cls)
+    defaults = _first_defaults(cls)
     if any(
-        other in declared and _set_in(cls, other, value_of(other))
+        other in defaults and _counts_as_set(value_of(other), defaults[other])
         for other in option.requires
     ):
         return True

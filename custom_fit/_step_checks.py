@@ -215,8 +215,10 @@ def check_declared_options(cls: type) -> None:
         return
     options = _options.declared_options(cls)
     for name, seeds in _options.declared_states(cls).items():
-        option = getattr(seeds, "seed_option", None)
-        if option is not None and option not in options:
+        if not isinstance(seeds, _options.Seeds):
+            continue
+        option = seeds.seed_option
+        if option not in options:
             raise TypeError(
                 f"The seed generator `{name}` of {cls.__name__} is seeded "
                 f"by the option `{option}`, which no class of the model "

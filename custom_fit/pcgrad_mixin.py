@@ -15,6 +15,9 @@ from custom_fit._types import Gradients
 from custom_fit._types import Variable
 from custom_fit.train_step_mixin import TrainStepMixin
 
+# The key of the last task order's variable (`_model_state.record_of`).
+_ORDER = "PCGradMixin.task_order"
+
 
 class PCGradMixin(TrainStepMixin):
     """Projects conflicting task gradients (PCGrad, Yu et al. 2020).
@@ -70,7 +73,7 @@ class PCGradMixin(TrainStepMixin):
     @property
     def task_order(self) -> list[int]:
         """The order of the tasks at the last step (indices of the losses)."""
-        order = _model_state.state_of(self).records.get("PCGradMixin")
+        order = _model_state.state_of(self).records.get(_ORDER)
         if order is None:
             return []
         return [int(i) for i in backend.current().host_value(self, order)]
@@ -98,7 +101,7 @@ class PCGradMixin(TrainStepMixin):
         # The last order, made at the first step (the number of tasks is
         # known then), kept for `task_order`.
         last = _model_state.record_of(
-            self, "PCGradMixin", lambda: self._task_order_variable(count)
+            self, _ORDER, lambda: self._task_order_variable(count)
         )
         order = ops.cast(
             keras.random.shuffle(ops.arange(count), seed=self._order_seeds),

@@ -480,6 +480,21 @@ class SeedsTest(testing.TestCase):
             ):
                 pass
 
+    def test_a_subclass_may_not_make_the_private_noise_public(self):
+        """A subclass of DifferentialPrivacyMixin may narrow what it
+        declares, but not its noise generator into one that is not secret:
+        whoever knew the seed could subtract the noise. Refused when the
+        model is made."""
+
+        class PublicNoise(custom_fit.DifferentialPrivacyMixin):
+            _noise_seeds = options.Seeds("noise_seed")
+
+        class Net(PublicNoise, keras.Model):
+            pass
+
+        with self.assertRaisesRegex(ValueError, "declares `_noise_seeds`"):
+            testing.mlp(Net, l2_norm_clip=1.0, noise_multiplier=1.0)
+
     def test_options_applied_again_seed_the_generator_again(self):
         """Options applied after the model was made (as `from_config` does
         for a model Keras builds another way) seed its generator anew:

@@ -473,6 +473,21 @@ def refuse_what_the_private_gradient_leaves_out(model: Any) -> None:
             "example nor noised as DP-SGD's. Received: a model class "
             f"with both ({type(model).__name__}). Leave one of them out."
         )
+    seeds = _options.declared_states(type(model)).get("_noise_seeds")
+    if not (
+        isinstance(seeds, _options.Seeds)
+        and seeds.secret
+        and seeds.seed_option == "noise_seed"
+        and not seeds.requires
+    ):
+        raise ValueError(
+            "DifferentialPrivacyMixin draws its noise from a secret "
+            "generator, seeded only by `noise_seed` when one is given; "
+            "another would let whoever knows its seed subtract the noise. "
+            f"Received: a model class ({type(model).__name__}) that "
+            f"declares `_noise_seeds` as {seeds!r}. Leave `_noise_seeds` "
+            "to DifferentialPrivacyMixin."
+        )
 
 
 def check_examples_apart(model: Any, arguments: dict[str, Any]) -> None:

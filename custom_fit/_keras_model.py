@@ -27,6 +27,7 @@ from custom_fit import _fit_logs
 from custom_fit import _keras_compat
 from custom_fit import _model_state
 from custom_fit import _options
+from custom_fit import _slots
 from custom_fit import _step_checks
 from custom_fit import _step_functions
 from custom_fit import _step_metrics
@@ -410,6 +411,15 @@ class KerasModel(_ModelBase):
         return self.test_function
 
     # Serialization.
+
+    def save_own_variables(self, store: Any) -> None:
+        """Saves the model's variables and its `Slots(saved=True)`."""
+        super().save_own_variables(store)
+        _slots.save(self, store)
+
+    def load_own_variables(self, store: Any) -> None:
+        """Loads what `save_own_variables` saved."""
+        super().load_own_variables(_slots.load(self, store))
 
     def get_config(self) -> dict[str, Any]:
         """Returns the model config plus every mixin keyword.

@@ -273,6 +273,14 @@ class State:
             )
         return made
 
+    def make(self, instance: object) -> Any:
+        """Returns the variable of `instance`, listed in its state."""
+        variable = backend.current().state_variable(
+            self.shape, self.dtype, self.name, False
+        )
+        _model_state.state_of(instance).holder.track(variable)
+        return variable
+
     def __set__(self, instance: object, value: Any) -> None:
         raise AttributeError(
             f"`{self.name}` is a state variable: write it with "
@@ -347,7 +355,12 @@ class Seeds(State):
         return f"Seeds({self.seed_option!r}, secret={self.secret})"
 
     def make(self, instance: object) -> Any:
-        """Returns the generator of `instance`, seeded by its option."""
+        """Returns the seeded generator of `instance`, in its state."""
+        generator = self._generator(instance)
+        _model_state.state_of(instance).holder.track(generator.state)
+        return generator
+
+    def _generator(self, instance: object) -> Any:
         seed = getattr(instance, self.seed_option)
         _model_state.state_of(instance).seeded[self.name] = seed
         if self.secret:
@@ -363,7 +376,7 @@ class Seeds(State):
         seed = getattr(instance, self.seed_option)
         if _same(seed, _model_state.state_of(instance).seeded.get(self.name)):
             return
-        generator.state.assign(self.make(instance).state.value)
+        generator.state.assign(self._generator(instance).state.value)
 
 
 def declared_states(cls: type) -> dict[str, State]:
@@ -396,16 +409,7 @@ def make_states(instance: object) -> None:
             for other in declared.requires
         ):
             continue
-        if isinstance(declared, Seeds):
-            generator = declared.make(instance)
-            state.holder.track(generator.state)
-            state.declared[name] = generator
-            continue
-        variable = backend.current().state_variable(
-            declared.shape, declared.dtype, name, False
-        )
-        state.holder.track(variable)
-        state.declared[name] = variable
+        state.declared[name] = declared.make(instance)
 
 
 def _first_defaults(cls: type) -> dict[str, Any]:

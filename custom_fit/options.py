@@ -11,9 +11,11 @@ read in the step with `model.option_in_step(name)`.
 A mixin that keeps figures from step to step declares them as `State`
 class attributes: each model gets its own variable, made on every backend
 and carried with the step (JAX's step is pure), read and written inside the
-step as `self.<name>`; a random draw in the step takes its seed from a
-`Seeds` declaration (a generator per model, seeded by one of the
-mixin's options, carried the same way).
+step as `self.<name>`; state kept per trained variable (an average of
+each gradient) is a `Slots` declaration, optionally saved with the
+weights; a random draw in the step takes its seed from a `Seeds`
+declaration (a generator per model, seeded by one of the mixin's options,
+carried the same way).
 
 The validators below are what custom_fit's own options use: each is a
 callable `(name, value) -> value` that returns the value to store and
@@ -49,6 +51,7 @@ class GradientNoiseMixin(custom_fit.TrainStepMixin):
 from custom_fit._options import Option
 from custom_fit._options import Seeds
 from custom_fit._options import State
+from custom_fit._slots import Slots
 from custom_fit._validation import boolean
 from custom_fit._validation import fraction
 from custom_fit._validation import names_or_none
@@ -63,6 +66,7 @@ from custom_fit._validation import seed_or_none
 __all__ = [
     "Option",
     "Seeds",
+    "Slots",
     "State",
     "boolean",
     "fraction",

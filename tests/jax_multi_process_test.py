@@ -1,7 +1,6 @@
 """JAX over two processes on 127.0.0.1: keras.distribution, CPU gloo."""
 
 import concurrent.futures
-import functools
 import os
 import tempfile
 
@@ -27,7 +26,6 @@ _LAYERS = ("hidden_1", "hidden_2", "logits")
 _TIMEOUT = 420  # seconds for the whole run, processes included
 
 
-@functools.cache
 def _private_runs():
     """Runs jax_private_processes.py in two processes, then in one.
 
@@ -37,15 +35,18 @@ def _private_runs():
     output_dir = tempfile.mkdtemp()
     env = dict(os.environ, KERAS_BACKEND="jax")
     env.pop("XLA_FLAGS", None)  # one device per process
-    for count in (2, 1):
-        testing.run_bounded(
-            _PRIVATE,
-            f"--processes={count}",
-            f"--output_dir={output_dir}",
-            "--timeout=360",
-            timeout=_TIMEOUT,
-            env=env,
+    testing.run_bounded_together(
+        *(
+            (
+                _PRIVATE,
+                f"--processes={count}",
+                f"--output_dir={output_dir}",
+                "--timeout=360",
+                {"timeout": _TIMEOUT, "env": env},
+            )
+            for count in (2, 1)
         )
+    )
     return output_dir, {
         label: dict(np.load(os.path.join(output_dir, f"{label}.npz")))
         for label in ("process_0", "process_1", "single")
@@ -62,16 +63,17 @@ class JaxMultiProcessTest(testing.TestCase):
         common = ["--epochs=2", f"--output_dir={output_dir}", "--timeout=360"]
         env = dict(os.environ, KERAS_BACKEND="jax")
         env.pop("XLA_FLAGS", None)  # one device per process
-        outputs = [
-            testing.run_bounded(
-                _EXAMPLE,
-                f"--processes={count}",
-                *common,
-                timeout=_TIMEOUT,
-                env=env,
+        outputs = testing.run_bounded_together(
+            *(
+                (
+                    _EXAMPLE,
+                    f"--processes={count}",
+                    *common,
+                    {"timeout": _TIMEOUT, "env": env},
+                )
+                for count in (2, 1)
             )
-            for count in (2, 1)
-        ]
+        )
         accuracies = [
             line
             for out in outputs
@@ -130,10 +132,21 @@ class JaxMultiProcessTest(testing.TestCase):
         Keras 3.16 would deal whole batches of different draws); without
         seeds, the processes share process 0's secret ones; a canary model
         counts each example at most once per update of accumulated Poisson
-        draws."""
+        draws. And from the same runs (one test: the two processes' run
+        is the suite's longest, and two tests of it on two xdist workers
+        would run it twice): Keras' writing callbacks, `GradientTensorBoard`,
+        `GradientNormHistory.to_csv` and `BackupAndRestore`, given to both
+        processes (the script's last runs): process 0 writes what one
+        process writes, process 1 nothing (every process runs the
+        callbacks: Keras' state sync before a save is collective), and a
+        run resumed from the backup ends where one process ends."""
         from tests.privacy_test import dp_accounting_epsilon
+        from tests.scripts import files_once
 
-        _, saved = _private_runs()
+        output_dir, saved = _private_runs()
+        testing.check_files_written_once(
+            self, output_dir, saved, files_once.Net
+        )
         single = saved["single"]
         expected = [
             dp_accounting_epsilon(4 * epochs, 32 / 119, 1.0, 1e-3)
@@ -196,20 +209,6 @@ class JaxMultiProcessTest(testing.TestCase):
             [saved[f"process_{i}"]["rows"] for i in (0, 1)],
             single["taken"],
             rate=0.1,
-        )
-
-    def test_files_are_written_once(self):
-        """Keras' writing callbacks, `GradientTensorBoard`,
-        `GradientNormHistory.to_csv` and `BackupAndRestore`, given to both
-        processes (the private script's last runs): process 0 writes what
-        one process writes, process 1 nothing (every process runs the
-        callbacks: Keras' state sync before a save is collective), and a
-        run resumed from the backup ends where one process ends."""
-        from tests.scripts import files_once
-
-        output_dir, saved = _private_runs()
-        testing.check_files_written_once(
-            self, output_dir, saved, files_once.Net
         )
 
     def test_model_parallel_reads_agree_across_processes(self):

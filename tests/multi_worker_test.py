@@ -23,11 +23,11 @@ class MultiWorkerTest(testing.TestCase):
         are on."""
         output_dir = tempfile.mkdtemp()
         common = ["--epochs=2", f"--output_dir={output_dir}", "--timeout=360"]
-        output = testing.run_bounded(
-            _EXAMPLE, "--workers=2", *common, timeout=_TIMEOUT
+        output, _ = testing.run_bounded_together(
+            (_EXAMPLE, "--workers=2", *common, {"timeout": _TIMEOUT}),
+            (_EXAMPLE, "--workers=1", *common, {"timeout": _TIMEOUT}),
         )
         self.assertIn("validation accuracy", output)
-        testing.run_bounded(_EXAMPLE, "--workers=1", *common, timeout=_TIMEOUT)
         workers = [
             np.load(os.path.join(output_dir, f"worker_{i}.npz")) for i in (0, 1)
         ]
@@ -49,14 +49,18 @@ class MultiWorkerTest(testing.TestCase):
         from tests.scripts import files_once
 
         output_dir = tempfile.mkdtemp()
-        for count in (2, 1):
-            testing.run_bounded(
-                _WORKERS,
-                f"--workers={count}",
-                f"--output_dir={output_dir}",
-                "--timeout=360",
-                timeout=_TIMEOUT,
+        testing.run_bounded_together(
+            *(
+                (
+                    _WORKERS,
+                    f"--workers={count}",
+                    f"--output_dir={output_dir}",
+                    "--timeout=360",
+                    {"timeout": _TIMEOUT},
+                )
+                for count in (2, 1)
             )
+        )
         saved = {
             label: dict(np.load(os.path.join(output_dir, f"{label}.npz")))
             for label in ("process_0", "process_1", "single")

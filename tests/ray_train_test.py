@@ -25,10 +25,14 @@ _TIMEOUT = 900  # seconds for a whole Ray run, its workers included (a
 # restart starts a second worker group; under a loaded CI, minutes)
 
 
-def run(*flags):
-    """Runs the example with `flags`; returns what it printed."""
+def run(*runs):
+    """Runs the example once per tuple of flags in `runs`, all at once (the
+    one-process reference beside the Ray run); returns what each printed."""
     env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
-    return testing.run_bounded(_EXAMPLE, *flags, timeout=_TIMEOUT, env=env)
+    keywords = {"timeout": _TIMEOUT, "env": env}
+    return testing.run_bounded_together(
+        *((_EXAMPLE, *flags, keywords) for flags in runs)
+    )
 
 
 def poisson_epsilon(rate, noise, steps, delta):
@@ -64,12 +68,14 @@ class RayTrainTest(testing.TestCase):
         epoch, although worker 0 died after epoch 1 and Ray restarted the
         run from the checkpoint it reported then."""
         one, two = tempfile.mkdtemp(), tempfile.mkdtemp()
-        run("--workers=1", "--epochs=2", f"--output_dir={one}")
         run(
-            "--workers=2",
-            "--epochs=2",
-            "--crash_after_epoch=1",
-            f"--output_dir={two}",
+            ("--workers=1", "--epochs=2", f"--output_dir={one}"),
+            (
+                "--workers=2",
+                "--epochs=2",
+                "--crash_after_epoch=1",
+                f"--output_dir={two}",
+            ),
         )
         # Worker 0 of the restarted run wrote the epochs its checkpoint held.
         with open(os.path.join(two, "restarted_from")) as handle:
@@ -105,8 +111,10 @@ class RayTrainTest(testing.TestCase):
             )
         one, two = tempfile.mkdtemp(), tempfile.mkdtemp()
         flags = ("--epochs=2", "--private", "--seed=5")
-        run("--workers=1", *flags, f"--output_dir={one}")
-        run("--workers=2", *flags, f"--output_dir={two}")
+        run(
+            ("--workers=1", *flags, f"--output_dir={one}"),
+            ("--workers=2", *flags, f"--output_dir={two}"),
+        )
         weights, state, logs = saved(one, 0)
         steps = -(-1437 // 64)  # a pass of scikit-learn's digits' split
         expected = [
@@ -128,4 +136,4 @@ class RayTrainTest(testing.TestCase):
         values of `tf.distribute` (`PerReplica`) that Keras' step cannot
         convert."""
         with self.assertRaisesRegex(AssertionError, "PerReplica"):
-            run("--workers=2", "--epochs=1", "--plain")
+            run(("--workers=2", "--epochs=1", "--plain"))

@@ -1,5 +1,6 @@
 """Recovery from a killed process, and strategies custom_fit refuses."""
 
+import concurrent.futures
 import os
 import signal
 import subprocess
@@ -47,11 +48,15 @@ class RecoveryTest(testing.TestCase):
         weights and optimizer state of an uninterrupted run."""
         directory = tempfile.mkdtemp()
         reference = os.path.join(directory, "reference.npz")
-        run(
+        # The uninterrupted reference runs beside the killed run.
+        pool = concurrent.futures.ThreadPoolExecutor(1)
+        reference_run = pool.submit(
+            run,
             script(
                 "recovery.py", os.path.join(directory, "ref_backup"), reference
-            )
+            ),
         )
+        pool.shutdown(wait=False)
 
         backup = os.path.join(directory, "backup")
         os.makedirs(backup)
@@ -83,6 +88,7 @@ class RecoveryTest(testing.TestCase):
 
         resumed = os.path.join(directory, "resumed.npz")
         output = run(script("recovery.py", backup, resumed))
+        reference_run.result()
         # It resumed after the last backup (end of epoch 1), not from 0.
         self.assertEqual(output.split(), ["epoch", "2", "epoch", "3"], output)
         expected, actual = np.load(reference), np.load(resumed)

@@ -655,6 +655,28 @@ def run_bounded(script, *flags, timeout=420, env=None):
     return output
 
 
+def run_bounded_together(*runs):
+    """Runs several `run_bounded` calls at once; returns their outputs.
+
+    Each run is `(script, *flags)` or `(script, *flags, keywords)` with a
+    dict of `run_bounded`'s keywords last. A reference run of one process
+    waits on nothing of the run it is compared with, so the two overlap
+    (the several processes' start, their rendezvous and their imports are
+    mostly waiting). Each is bounded by its own timeout and reaped; the
+    first failure is raised once all have ended.
+    """
+    import concurrent.futures
+
+    def call(run):
+        if isinstance(run[-1], dict):
+            return run_bounded(*run[:-1], **run[-1])
+        return run_bounded(*run)
+
+    with concurrent.futures.ThreadPoolExecutor(len(runs)) as pool:
+        futures = [pool.submit(call, run) for run in runs]
+    return [future.result() for future in futures]
+
+
 def wgan_gp_gradients(
     model, real, fake, interpolated, gp_weight, l2=0.0, kernels=None
 ):

@@ -44,10 +44,11 @@ def _free_port():
         return sock.getsockname()[1]
 
 
-def _torchrun(*flags, processes=2, script=_SCRIPT):
-    """Runs `script` under torchrun with `processes` gloo processes."""
+def _torchrun_args(*flags, processes=2, script=_SCRIPT):
+    """The `run_bounded` arguments of `script` under torchrun with
+    `processes` gloo processes."""
     env = dict(os.environ, KERAS_BACKEND="torch", OMP_NUM_THREADS="1")
-    return testing.run_bounded(
+    return (
         "-m",
         "torch.distributed.run",
         f"--nproc_per_node={processes}",
@@ -55,9 +56,16 @@ def _torchrun(*flags, processes=2, script=_SCRIPT):
         f"--master_port={_free_port()}",
         script,
         *flags,
-        timeout=_TIMEOUT,
-        env=env,
+        {"timeout": _TIMEOUT, "env": env},
     )
+
+
+def _torchrun(*flags, processes=2, script=_SCRIPT):
+    """Runs `script` under torchrun with `processes` gloo processes."""
+    (output,) = testing.run_bounded_together(
+        _torchrun_args(*flags, processes=processes, script=script)
+    )
+    return output
 
 
 @pytest.mark.torch
@@ -117,16 +125,17 @@ class TorchProcessesTest(testing.TestCase):
 
     @classmethod
     def setUpClass(cls):
-        """Fits every configuration in two processes, then in one."""
+        """Fits every configuration in two processes and in one, at once."""
         super().setUpClass()
         cls.output_dir = tempfile.mkdtemp()
-        _torchrun(f"--output_dir={cls.output_dir}")
         env = dict(os.environ, KERAS_BACKEND="torch", OMP_NUM_THREADS="1")
-        testing.run_bounded(
-            _SCRIPT,
-            f"--output_dir={cls.output_dir}",
-            timeout=_TIMEOUT,
-            env=env,
+        testing.run_bounded_together(
+            _torchrun_args(f"--output_dir={cls.output_dir}"),
+            (
+                _SCRIPT,
+                f"--output_dir={cls.output_dir}",
+                {"timeout": _TIMEOUT, "env": env},
+            ),
         )
         cls.saved = {
             label: dict(np.load(os.path.join(cls.output_dir, f"{label}.npz")))

@@ -596,3 +596,124 @@ class SharedFiguresTest(testing.TestCase):
         gradients = [np.ones((2, 2), "float32")]
         with self.assertRaisesRegex(ValueError, r"factor of shape \(2,\)"):
             model.scale_gradients(gradients, np.ones((2,), "float32"))
+
+
+@keras.saving.register_keras_serializable(package="tests")
+class MomentumMixin(custom_fit.TrainStepMixin):
+    """Hands the optimizer each gradient's running sum `v = 0.9 v + g`:
+    with plain SGD, Keras' SGD with momentum 0.9."""
+
+    momentum_sums = options.Slots(saved=True)
+
+    def transform_gradients(self, gradients, variables):
+        sums = self.momentum_sums.of(variables)
+        for gradient, total in zip(gradients, sums):
+            total.assign(0.9 * total + gradient)
+        return super().transform_gradients(
+            [keras.ops.convert_to_tensor(total) for total in sums], variables
+        )
+
+
+@keras.saving.register_keras_serializable(package="tests")
+class MomentumNet(MomentumMixin, keras.Model):
+    pass
+
+
+class UnsavedMomentumMixin(MomentumMixin):
+    momentum_sums = options.Slots()
+
+
+class UnsavedMomentumNet(UnsavedMomentumMixin, keras.Model):
+    pass
+
+
+class SlotsTest(testing.TestCase):
+    """`options.Slots` against Keras' own SGD with momentum: the slots are
+    its momentum (up to the sign and the learning rate), carried by the
+    step and, with `saved=True`, saved and loaded as Keras saves the
+    optimizer's."""
+
+    def fit(self, model, x, y, mode=None, momentum=0.0, epochs=1):
+        if not model.compiled:
+            model.compile(
+                optimizer=keras.optimizers.SGD(0.1, momentum=momentum),
+                loss=testing.sparse_crossentropy(),
+                **(mode or {}),
+            )
+        model.fit(x, y, batch_size=8, epochs=epochs, shuffle=False, verbose=0)
+        return model
+
+    @parameterized.named_parameters(*testing.EXECUTION_MODES)
+    def test_slots_are_carried_from_step_to_step(self, mode):
+        """Two epochs of MomentumNet under plain SGD end on the weights of
+        Keras' SGD with momentum 0.9 (a step that did not carry the slots,
+        as JAX's pure step would not without the declaration, would be
+        plain SGD)."""
+        x, y = testing.classification_data(samples=32)
+        model = self.fit(testing.mlp(MomentumNet), x, y, mode, epochs=2)
+        keras_model = self.fit(testing.mlp(), x, y, mode, 0.9, epochs=2)
+        self.assertWeightsClose(model, keras_model, atol=1e-5)
+        plain = self.fit(testing.mlp(), x, y, mode, epochs=2)
+        self.assertGreater(testing.max_difference(
+            model.get_weights(), plain.get_weights()), 1e-3)
+
+    def test_two_devices_equal_keras_momentum(self):
+        """Under MirroredStrategy (TensorFlow) or DataParallel (JAX), the
+        slots hold global figures: the weights of Keras' momentum."""
+        x, y = testing.classification_data(samples=32)
+        with testing.two_devices():
+            model = self.fit(testing.mlp(MomentumNet), x, y, epochs=2)
+        keras_model = self.fit(testing.mlp(), x, y, None, 0.9, epochs=2)
+        self.assertWeightsClose(model, keras_model, atol=1e-5)
+
+    def test_saved_slots_are_loaded_as_keras_loads_its_optimizer(self):
+        """A `.keras` file and a weights file, saved after one epoch and
+        loaded, go on as Keras' SGD with momentum goes on from its own
+        file; with `saved=False` the loaded slots start from zero (and
+        the run leaves Keras')."""
+        x, y = testing.classification_data(samples=32)
+        directory = tempfile.mkdtemp()
+        keras_path = os.path.join(directory, "keras.keras")
+        self.fit(testing.mlp(), x, y, momentum=0.9).save(keras_path)
+        expected = self.fit(keras.models.load_model(keras_path), x, y)
+
+        path = os.path.join(directory, "momentum.keras")
+        model = self.fit(testing.mlp(MomentumNet), x, y)
+        model.save(path)
+        self.assertWeightsClose(
+            self.fit(keras.models.load_model(path), x, y), expected, atol=1e-5
+        )
+        weights = os.path.join(directory, "momentum.weights.h5")
+        model.save_weights(weights)
+        fresh = testing.mlp(MomentumNet, seed=7)
+        fresh.load_weights(weights)
+        fresh.compile(
+            optimizer=keras.optimizers.SGD(0.1),
+            loss=testing.sparse_crossentropy(),
+        )
+        self.assertWeightsClose(self.fit(fresh, x, y), expected, atol=1e-5)
+
+        unsaved = self.fit(testing.mlp(UnsavedMomentumNet), x, y)
+        unsaved.save_weights(weights)
+        fresh = testing.mlp(UnsavedMomentumNet)
+        fresh.load_weights(weights)
+        self.assertGreater(testing.max_difference(
+            self.fit(fresh, x, y).get_weights(), expected.get_weights()), 1e-4)
+
+    def test_slots_a_model_does_not_declare_are_refused_on_loading(self):
+        x, y = testing.classification_data(samples=8)
+        weights = os.path.join(tempfile.mkdtemp(), "momentum.weights.h5")
+        self.fit(testing.mlp(MomentumNet), x, y).save_weights(weights)
+        with self.assertRaisesRegex(
+            ValueError, r"slots `momentum_sums`.*UnsavedMomentumNet declares"
+        ):
+            testing.mlp(UnsavedMomentumNet).load_weights(weights)
+
+    def test_bad_arguments_name_what_was_received(self):
+        with self.assertRaisesRegex(ValueError, r"dtype='floaty'"):
+            options.Slots("floaty")
+        with self.assertRaisesRegex(ValueError, r"saved='yes'"):
+            options.Slots(saved="yes")
+        model = testing.mlp(MomentumNet)
+        with self.assertRaisesRegex(ValueError, r"variables='kernel'"):
+            model.momentum_sums.of("kernel")

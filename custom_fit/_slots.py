@@ -1,0 +1,250 @@
+"""Declared state with one variable per trained variable (`options.Slots`).
+
+A transform that keeps something per weight (an average of each gradient,
+as an optimizer's momentum) declares it once as a class attribute; each
+model then holds one `VariableSlots`, which makes a slot, shaped and laid
+out as its variable, the first time the step asks for that variable, and
+lists it in the model's state so that a pure step (JAX) carries it. Slots
+declared `saved=True` go into the model's weights file beside the weights
+(`save_own_variables`) under keys of their own, and come back on loading.
+"""
+
+from collections.abc import Iterator
+from collections.abc import Sequence
+from typing import Any
+
+import keras
+import numpy as np
+
+from custom_fit import _model_state
+from custom_fit import _options
+from custom_fit import _state
+from custom_fit import _validation
+from custom_fit import backend
+from custom_fit._types import Variable
+
+# Keys of saved slots in a model's entry of the weights file:
+# `<prefix><declared name>:<index of the variable in model.variables>`.
+# Keras' own keys there are the indices of the model's own variables
+# ("0", "1", ...).
+_PREFIX = "custom_fit.slot:"
+
+
+class Slots(_options.State):
+    """One state variable per trained variable, made for each model.
+
+    Declare it as a class attribute of a mixin. Inside the step,
+    `self.<name>.of(variables)` returns one slot per variable given: zero
+    at first, of the variable's shape and dtype (or `dtype`), laid out as
+    it is (sharded with it under `keras.distribution.ModelParallel`), made
+    the first time the step asks for that variable and the same one at
+    every step after. Read a slot with `keras.ops`, write it with
+    `.assign`. The slots travel with the step as a `State` does (JAX's
+    step is pure; one copy per replica under `tf.distribute`, each
+    writing the same, global figures).
+
+    Args:
+        dtype: Optional string. The slots' dtype. Defaults to `None`: each
+            variable's own.
+        saved: Bool. If `True`, the slots of the model's variables are
+            saved with its weights (`model.save`, `save_weights`,
+            `keras.callbacks.BackupAndRestore`) and loaded with them, as
+            an optimizer's slots are; loading a file whose slots this
+            model does not declare is refused. If `False`, they are no
+            part of the model's files and a loaded model starts them from
+            zero, as a `State`. Defaults to `False`.
+        requires: As `State`'s.
+
+    Example:
+
+    ```python
+    class GradientAverageMixin(custom_fit.TrainStepMixin):
+        gradient_averages = options.Slots(saved=True)
+
+        def transform_gradients(self, gradients, variables):
+            averages = self.gradient_averages.of(variables)
+            for gradient, average in zip(gradients, averages):
+                average.assign(0.9 * average + 0.1 * gradient)
+            return super().transform_gradients(gradients, variables)
+    ```
+    """
+
+    def __init__(
+        self,
+        dtype: str | None = None,
+        *,
+        saved: bool = False,
+        requires: Sequence[str] = (),
+    ) -> None:
+        if dtype is not None:
+            try:
+                dtype = keras.backend.standardize_dtype(dtype)
+            except ValueError:
+                raise ValueError(
+                    "`dtype` is the slots' dtype, or None for each "
+                    f"variable's own. Received: dtype={dtype!r}."
+                ) from None
+        super().__init__((), dtype or "float32", requires=requires)
+        self.slot_dtype = dtype
+        self.saved = _validation.boolean("saved", saved)
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+        self.__doc__ = (
+            f"The slots `{name}` of {owner.__name__}: one per trained "
+            "variable" + (", saved with the weights." if self.saved else ".")
+        )
+
+    def __repr__(self) -> str:
+        return f"Slots(dtype={self.slot_dtype!r}, saved={self.saved})"
+
+    def make(self, instance: object) -> "VariableSlots":
+        """Returns the (empty) slots of `instance`."""
+        return VariableSlots(instance, self.name, self.slot_dtype)
+
+
+class VariableSlots:
+    """The slots of one `Slots` declaration in one model.
+
+    Read as `self.<name>` inside the step; not made directly.
+    """
+
+    def __init__(self, model: Any, name: str, dtype: str | None) -> None:
+        self._model = model
+        self._name = name
+        self._dtype = dtype
+        # id of a variable -> (the variable, its slot). The variable is
+        # held, so that its id is not reused.
+        self._made: dict[int, tuple[Variable, Any]] = {}
+
+    def of(self, variables: Sequence[Variable]) -> list[Any]:
+        """Returns the slot of each variable, made on first use.
+
+        Args:
+            variables: List of the variables (as the hooks receive them).
+
+        Returns:
+            A list of state variables aligned with `variables`.
+        """
+        if isinstance(variables, (str, bytes)) or not isinstance(
+            variables, Sequence
+        ):
+            raise ValueError(
+                f"`{self._name}.of(variables)` takes a list of variables, "
+                f"as the hooks receive them. Received: variables={variables!r}."
+            )
+        slots = []
+        for variable in variables:
+            if not hasattr(variable, "shape") or not hasattr(variable, "dtype"):
+                raise ValueError(
+                    f"`{self._name}.of(variables)` takes variables. "
+                    f"Received an element {variable!r} in variables."
+                )
+            key = id(variable)
+            if key not in self._made:
+                dtype = self._dtype or keras.backend.standardize_dtype(
+                    variable.dtype
+                )
+                slot = _state.state_like(variable, dtype, self._name)
+                _model_state.state_of(self._model).holder.track(slot)
+                self._made[key] = (variable, slot)
+            slots.append(self._made[key][1])
+        return slots
+
+    def items(self) -> Iterator[tuple[Variable, Any]]:
+        """Yields `(variable, slot)` for each slot made so far."""
+        yield from self._made.values()
+
+
+def _saved_slots(model: Any) -> dict[str, VariableSlots]:
+    """The made slots of `model`'s declarations with `saved=True`."""
+    made = _model_state.state_of(model).declared
+    return {
+        name: made[name]
+        for name, declared in _options.declared_states(type(model)).items()
+        if isinstance(declared, Slots) and declared.saved and name in made
+    }
+
+
+def save(model: Any, store: Any) -> None:
+    """Writes the saved slots of `model`'s variables into `store`.
+
+    Each under its declaration's name and its variable's index in
+    `model.variables` (the order Keras loads weights in: a model built
+    again, whose layers have other names, finds them). Slots of variables
+    that are not the model's are not written.
+    """
+    index = {id(variable): i for i, variable in enumerate(model.variables)}
+    for name, slots in _saved_slots(model).items():
+        for variable, slot in slots.items():
+            if id(variable) in index:
+                store[f"{_PREFIX}{name}:{index[id(variable)]}"] = (
+                    backend.current().host_value(model, slot)
+                )
+
+
+def load(model: Any, store: Any) -> Any:
+    """Assigns the saved slots in `store`; returns the rest of `store`.
+
+    The slots are made for the model's variables the file names, so that
+    a model loaded before its first step goes on from them.
+
+    Raises:
+        ValueError: if `store` holds slots that `model` does not declare
+            with `saved=True` (or does not make at its options), or slots
+            that do not fit the model's variables.
+    """
+    keys = list(store.keys()) if store is not None else []
+    ours = [key for key in keys if key.startswith(_PREFIX)]
+    if not ours:
+        return store
+    slots = _saved_slots(model)
+    variables = model.variables
+    for key in ours:
+        name, _, index = key[len(_PREFIX) :].partition(":")
+        value = np.asarray(store[key])
+        at = int(index)
+        variable = variables[at] if at < len(variables) else None
+        if name not in slots:
+            problem = f"declares no saved slots `{name}` at its options"
+        elif variable is None or tuple(variable.shape) != value.shape:
+            problem = (
+                f"has no variable of shape {value.shape} at index {index} "
+                "of its variables"
+            )
+        else:
+            (slot,) = slots[name].of([variable])
+            slot.assign(value)
+            continue
+        raise ValueError(
+            f"The weights file holds the slots `{name}` of the variable at "
+            f"index {index}, but {type(model).__name__} {problem}. "
+            f"Received: the key {key!r}. Load it into the model class (and "
+            "options) that saved it."
+        )
+    return _Without(store, ours)
+
+
+class _Without:
+    """A weights-file entry without some of its keys (read only)."""
+
+    def __init__(self, store: Any, left_out: Sequence[str]) -> None:
+        self._store = store
+        self._keys = [key for key in store.keys() if key not in left_out]
+
+    def keys(self) -> list[str]:
+        return list(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self._keys:
+            raise KeyError(key)
+        return self._store[key]

@@ -35,6 +35,7 @@ from collections.abc import Iterator
 from collections.abc import Sequence
 from typing import Any
 
+import keras
 import numpy as np
 from keras import ops
 
@@ -42,6 +43,9 @@ from custom_fit import _gradient_ops
 from custom_fit import _model_state
 from custom_fit import backend
 from custom_fit._types import Gradient
+from custom_fit._types import Gradients
+from custom_fit._types import ModelBase
+from custom_fit._types import Scalar
 from custom_fit._types import Tensor
 
 
@@ -249,3 +253,79 @@ def register(model: Any, figures: Figures) -> None:
     pages = _pages(model)
     if pages is not None:
         pages[_key(figures.gradients)] = figures
+
+
+class SharedFigures(ModelBase):
+    """The shared gradient figures, as a model's hooks ask for them.
+
+    A base of `TrainStepMixin` (not for direct use): its methods are the
+    model's.
+    """
+
+    def gradient_global_norm(self, gradients: Gradients) -> Tensor:
+        """Returns the global norm of `gradients`, shared within the update.
+
+        Call it from a hook (`transform_gradients`): within one update the
+        squared norms of a list of gradients are computed once and shared
+        by every reader (global clipping, the guard of `skip_nonfinite`,
+        inspection's per-layer norms, and your transform), so asking for
+        the norm of the gradients your hook received costs no second pass
+        over them. Outside a step it computes the norm.
+
+        Args:
+            gradients: List of gradients (`None` entries ignored), as a hook
+                receives them.
+
+        Returns:
+            A float32 scalar tensor: the square root of the sum of every
+            entry's square.
+        """
+        return of(self, gradients).norm
+
+    def scale_gradients(
+        self, gradients: Gradients, factor: Scalar
+    ) -> Gradients:
+        """Returns `gradients` times one `factor`, with their figures known.
+
+        For a transform that multiplies every gradient by the same scalar
+        (a normalization, a clipping of your own): the hooks after it
+        (the guard, inspection) read the result's norm from the input's
+        and the factor, instead of a second pass over every gradient, as
+        they would for gradients multiplied by `ops.multiply`. (Float32
+        gradients; in another dtype, such as float16 under mixed
+        precision, the product's rounding differs from the derived figures
+        and the readers after it take their own pass.)
+
+        Args:
+            gradients: List of gradients (`None` kept; sparse ones keep
+                their indices).
+            factor: Python float or scalar tensor.
+
+        Returns:
+            The scaled list, aligned with `gradients`.
+
+        Raises:
+            ValueError: If `factor` is not a scalar.
+        """
+        if len(ops.shape(factor)) != 0:
+            raise ValueError(
+                "scale_gradients multiplies every gradient by one scalar. "
+                f"Received: a factor of shape {tuple(ops.shape(factor))}. "
+                "Pass a float or a scalar tensor."
+            )
+        present = [g for g in gradients if g is not None]
+        if not present:
+            return list(gradients)
+        figures = of(self, gradients)
+        factor = ops.cast(factor, "float32")
+        scaled = iter(backend.current().scaled(present, factor))
+        result = [None if g is None else next(scaled) for g in gradients]
+        if all(
+            keras.backend.standardize_dtype(g.dtype) in ("float32", "float64")
+            for g in present
+        ):
+            # Float32 products match the derived figures; any factor.
+            register(
+                self, figures.scaled(result, factor, at_most_one=False)
+            )
+        return result

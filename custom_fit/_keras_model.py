@@ -16,7 +16,6 @@ import threading
 import warnings
 from collections.abc import Callable
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 from typing import Any
 from typing import TypeVar
 
@@ -33,19 +32,13 @@ from custom_fit import _step_functions
 from custom_fit import _step_metrics
 from custom_fit import backend
 from custom_fit._types import Logs
+from custom_fit._types import ModelBase
 from custom_fit._types import StepFunction
 
 _Model = TypeVar("_Model", bound="KerasModel")
 
-if TYPE_CHECKING:
-    # Used before a Keras model class: type checkers see its attributes
-    # through this base; at run time it is `object`.
-    from keras import Model as _ModelBase
-else:
-    _ModelBase = object
 
-
-class KerasModel(_ModelBase):
+class KerasModel(ModelBase):
     """The `keras.Model` methods a custom_fit model overrides.
 
     A base of `TrainStepMixin` (not for direct use): every method defers to

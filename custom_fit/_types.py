@@ -6,6 +6,7 @@ backend Keras supports.
 """
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 from typing import Any
 from typing import TypeAlias
 
@@ -36,3 +37,11 @@ Optimizer: TypeAlias = keras.optimizers.Optimizer
 
 # Keras' train or test function.
 StepFunction: TypeAlias = Callable[..., Any]
+
+if TYPE_CHECKING:
+    # The base of the classes a custom_fit model is made of, used before a
+    # Keras model class: type checkers see its attributes through it; at
+    # run time it is `object`.
+    from keras import Model as ModelBase
+else:
+    ModelBase = object

@@ -30,6 +30,7 @@ from custom_fit import accumulation
 from custom_fit import backend
 from custom_fit import pipeline
 from custom_fit._types import Gradients
+from custom_fit._types import ModelBase
 from custom_fit._types import Optimizer
 from custom_fit._types import Tensor
 from custom_fit._types import Variable
@@ -326,3 +327,181 @@ def _accumulator(
             track=_model_state.state_of(model).holder.track,
         )
     return accumulators[key]
+
+
+class Minimizing(ModelBase):
+    """`minimize`: the public entry of the update pipeline.
+
+    A base of `TrainStepMixin` (not for direct use): its methods are the
+    model's.
+    """
+
+    def minimize(
+        self,
+        loss: Tensor | Callable[[], Tensor],
+        tape: Any = None,
+        variables: Sequence[Variable] | None = None,
+        optimizer: Optimizer | None = None,
+        *,
+        penalty_inputs: Any = None,
+        has_aux: bool = False,
+    ) -> Any:
+        """Runs the gradient pipeline of this model for one loss.
+
+        This is the building block of every custom_fit step: from a loss
+        recorded on a tape to the optimizer update, through this model's
+        hooks and options. `compute_gradients` (true gradients: loss scale
+        divided out, summed across replicas), gradient accumulation,
+        `transform_gradients` (clipping, your overrides),
+        `inspect_gradients`, the non-finite guard (`skip_nonfinite`), then
+        `apply_gradients`. `train_step` calls it once; a custom `train_step`
+        with several networks calls it once per network, on that network,
+        with that network's optimizer:
+
+        ```python
+        def discriminator_loss():
+            ...  # forward passes, written with keras.ops
+            return d_loss
+
+        self.discriminator.minimize(
+            discriminator_loss, optimizer=self.d_optimizer
+        )
+        ```
+
+        The loss is given as a function of no arguments, which `minimize`
+        differentiates with respect to `variables`; on TensorFlow it may
+        also be a loss already recorded on a tape,
+        `minimize(d_loss, d_tape, ...)`.
+
+        What else the loss function computed comes back with
+        `has_aux=True`: the function returns `(loss, aux)`, `aux` any
+        nested structure of tensors (the student's predictions, for the
+        compiled metrics), and `minimize` returns `(applied, aux)`:
+
+        ```python
+        def student_loss():
+            y_pred = self.student(x, training=True)
+            return self.compute_loss(x, y, y_pred), y_pred
+
+        _, y_pred = self.student.minimize(student_loss, has_aux=True)
+        ```
+
+        Take values out of the loss function this way, not through a
+        variable of an enclosing function: on JAX the loss function runs
+        inside `jax.value_and_grad`, and a value it leaves behind cannot
+        be used after it (`UnexpectedTracerError`). `aux` holds the values
+        of the forward pass, with no gradient attached (the same on every
+        backend): differentiate a value again by computing it in the next
+        loss function.
+
+        Metrics that the network's hooks report (`grad_norm`, ...) are then
+        logged under the network's name, `discriminator_grad_norm`, by the
+        model whose `fit` runs, if that model is a custom_fit model.
+
+        A network with `RegularizationMixin` options gets its penalties
+        added to `loss` here (its `compute_loss` did not run), and logged
+        under its name (`critic_l2_penalty`); its input-gradient penalty
+        is taken at `penalty_inputs`, the gradient of the network's output
+        with respect to them (WGAN-GP's interpolated samples). A loss that
+        came from this model's own `compute_loss` in the same step already
+        holds them and is not penalized twice.
+
+        Call it inside a training step (in the replica context under
+        `tf.distribute`).
+
+        Args:
+            loss: A function of no arguments returning the scalar loss, or
+                (TensorFlow) a scalar tensor recorded by `tape`. The loss is
+                as Keras' losses compute it: a mean over this replica's
+                batch which, under `tf.distribute`, Keras' loss objects and
+                `compute_loss` divide by the replica count. Not loss-scaled:
+                this method calls `optimizer.scale_loss` itself.
+            tape: With a loss tensor, the `tf.GradientTape` that recorded it
+                (it may still be recording, or have stopped). `None` with a
+                loss function.
+            variables: List of the variables to update. Defaults to
+                `self.trainable_variables`.
+            optimizer: The optimizer to update them with. Defaults to
+                `self.optimizer`.
+            penalty_inputs: Inputs of this network at which its
+                `input_gradient_penalty` is taken (a tensor or the nested
+                structure the network takes). Needed exactly when the
+                network has that option.
+            has_aux: Bool. If `True`, the loss function returns a pair
+                `(loss, aux)` and `minimize` returns `(applied, aux)`.
+                Defaults to `False` (the function returns the loss).
+
+        Returns:
+            `applied`: `None` when the update is applied unconditionally (a
+            `LossScaleOptimizer` may still skip it, as in Keras); otherwise
+            a boolean scalar tensor, true when this call changed the
+            variables (false on a skipped non-finite step, or on a
+            micro-batch of gradient accumulation). With `has_aux=True`,
+            the pair `(applied, aux)`, `aux` as the loss function returned
+            it, every tensor in it without gradient (whether or not the
+            update is applied).
+
+        Raises:
+            ValueError: If `loss` is a tensor without its tape or a
+                function with one, if there is no optimizer, the optimizer
+                has its own `gradient_accumulation_steps`, `penalty_inputs` is
+                missing or has no use, `transform_gradients` returns a
+                list that does not match the variables, or the loss
+                function's result does not match `has_aux` (found once
+                the function ran: layer state its forward pass updated,
+                such as batch statistics, stays updated).
+        """
+        if not isinstance(has_aux, bool):
+            raise ValueError(
+                "`has_aux` must be True or False. Received: "
+                f"has_aux={has_aux!r}."
+            )
+        if callable(loss):
+            if tape is not None:
+                raise ValueError(
+                    "`minimize` takes a loss function, or a loss tensor and "
+                    "the tape that recorded it. Received: a function and "
+                    f"tape={tape!r}. Leave `tape` out with a loss function."
+                )
+            function = loss
+            update = of_loss_function(
+                self,
+                lambda: loss_and_aux(function(), has_aux),
+                variables,
+                optimizer,
+                penalty_inputs,
+            )
+            if has_aux:
+                return update.applied, without_gradient(update.aux)
+            return update.applied
+        if has_aux:
+            raise ValueError(
+                "`has_aux=True` takes a loss function returning `(loss, "
+                "aux)`. Received: a loss tensor and its tape (whatever else "
+                "the tape recorded is in your hands already). Leave "
+                "`has_aux` out, or pass a function."
+            )
+        if tape is None:
+            raise ValueError(
+                "A loss tensor needs the tape that recorded it. Received: "
+                "tape=None. Pass the tape, or pass a function of no "
+                "arguments that computes the loss."
+            )
+        return of_recorded_loss(
+            self, loss, tape, variables, optimizer, penalty_inputs
+        ).applied
+
+    def _add_penalties(self, loss: Tensor, penalty_inputs: Any) -> Tensor:
+        """Returns the loss `minimize` differentiates: here, `loss` itself.
+
+        `RegularizationMixin` adds the network's penalties.
+        """
+        if penalty_inputs is not None:
+            raise ValueError(
+                "`penalty_inputs` is only used by an input-gradient penalty, "
+                f"and the model {self.name!r} has none. Received: "
+                "penalty_inputs=<given>. Build the network with "
+                "custom_fit.RegularizationMixin and input_gradient_penalty=, "
+                "or leave `penalty_inputs` out."
+            )
+        return loss

@@ -11,6 +11,7 @@ from custom_fit import _figures
 from custom_fit import _gradient_ops
 from custom_fit import _model_state
 from custom_fit import _options
+from custom_fit import _slots
 from custom_fit import _state
 from custom_fit import _validation
 from custom_fit import backend
@@ -105,6 +106,7 @@ class GradientInspectionMixin(TrainStepMixin):
     )
     inspect_every = _options.Option(1, _validation.positive_int)
     keep_gradients = _options.Option(False, _validation.boolean)
+    _kept_gradients = _slots.Slots("float32", requires=("keep_gradients",))
     layer_norms_in_logs = _options.Option(False, _validation.boolean)
 
     # Reading the state (host side).
@@ -349,21 +351,16 @@ class _InspectionState:
             name: _state.state_variable((len(self.layers),), "float32", name)
             for name in statistics
         }
-        self.kept = [
-            (
-                owner,
-                _state.state_like(variable, "float32", "kept_gradient"),
-            )
-            for owner, variable in zip(owners, variables)
+        # The last gradients: the model's declared slots (one per
+        # variable, whoever inspects it).
+        self.kept = (
+            list(zip(owners, model._kept_gradients.of(variables)))
             if keep_gradients
-        ]
+            else []
+        )
         self.marks = _state.state_variable((2,), "int32", "inspection_marks")
         holder = _model_state.state_of(model).holder
-        for made in (
-            *self.figures.values(),
-            *(kept for _, kept in self.kept),
-            self.marks,
-        ):
+        for made in (*self.figures.values(), self.marks):
             holder.track(made)
 
     def value(self, variable: Any) -> np.ndarray:

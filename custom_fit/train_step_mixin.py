@@ -1,7 +1,5 @@
 """`TrainStepMixin`: `train_step` and `test_step` as a pipeline of hooks."""
 
-import inspect
-import warnings
 from collections.abc import Callable
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -20,6 +18,7 @@ from custom_fit import _layer_groups
 from custom_fit import _model_state
 from custom_fit import _options
 from custom_fit import _per_loss
+from custom_fit import _reporting
 from custom_fit import _step_checks
 from custom_fit import _update
 from custom_fit import _validation
@@ -28,7 +27,6 @@ from custom_fit import pipeline
 from custom_fit._types import Gradients
 from custom_fit._types import Logs
 from custom_fit._types import Optimizer
-from custom_fit._types import Scalar
 from custom_fit._types import Tensor
 from custom_fit._types import Variable
 from custom_fit._update import BatchLoss
@@ -48,7 +46,12 @@ else:
 
 
 class TrainStepMixin(
-    _keras_model.KerasModel, _keras_compat.PrivateOverrides, _TrainerHooks
+    _keras_model.KerasModel,
+    _keras_compat.PrivateOverrides,
+    _update.Minimizing,
+    _figures.SharedFigures,
+    _reporting.Reporting,
+    _TrainerHooks,
 ):
     """Base mixin: Keras' training step, split into overridable hooks.
 
@@ -514,163 +517,6 @@ class TrainStepMixin(
         """
         return _layer_groups.layer_names(self, variables, self.layer_depth)
 
-    # The gradient pipeline, public for custom steps.
-
-    def minimize(
-        self,
-        loss: Tensor | Callable[[], Tensor],
-        tape: Any = None,
-        variables: Sequence[Variable] | None = None,
-        optimizer: Optimizer | None = None,
-        *,
-        penalty_inputs: Any = None,
-        has_aux: bool = False,
-    ) -> Any:
-        """Runs the gradient pipeline of this model for one loss.
-
-        This is the building block of every custom_fit step: from a loss
-        recorded on a tape to the optimizer update, through this model's
-        hooks and options. `compute_gradients` (true gradients: loss scale
-        divided out, summed across replicas), gradient accumulation,
-        `transform_gradients` (clipping, your overrides),
-        `inspect_gradients`, the non-finite guard (`skip_nonfinite`), then
-        `apply_gradients`. `train_step` calls it once; a custom `train_step`
-        with several networks calls it once per network, on that network,
-        with that network's optimizer:
-
-        ```python
-        def discriminator_loss():
-            ...  # forward passes, written with keras.ops
-            return d_loss
-
-        self.discriminator.minimize(
-            discriminator_loss, optimizer=self.d_optimizer
-        )
-        ```
-
-        The loss is given as a function of no arguments, which `minimize`
-        differentiates with respect to `variables`; on TensorFlow it may
-        also be a loss already recorded on a tape,
-        `minimize(d_loss, d_tape, ...)`.
-
-        What else the loss function computed comes back with
-        `has_aux=True`: the function returns `(loss, aux)`, `aux` any
-        nested structure of tensors (the student's predictions, for the
-        compiled metrics), and `minimize` returns `(applied, aux)`:
-
-        ```python
-        def student_loss():
-            y_pred = self.student(x, training=True)
-            return self.compute_loss(x, y, y_pred), y_pred
-
-        _, y_pred = self.student.minimize(student_loss, has_aux=True)
-        ```
-
-        Take values out of the loss function this way, not through a
-        variable of an enclosing function: on JAX the loss function runs
-        inside `jax.value_and_grad`, and a value it leaves behind cannot
-        be used after it (`UnexpectedTracerError`). `aux` holds the values
-        of the forward pass, with no gradient attached (the same on every
-        backend): differentiate a value again by computing it in the next
-        loss function.
-
-        Metrics that the network's hooks report (`grad_norm`, ...) are then
-        logged under the network's name, `discriminator_grad_norm`, by the
-        model whose `fit` runs, if that model is a custom_fit model.
-
-        A network with `RegularizationMixin` options gets its penalties
-        added to `loss` here (its `compute_loss` did not run), and logged
-        under its name (`critic_l2_penalty`); its input-gradient penalty
-        is taken at `penalty_inputs`, the gradient of the network's output
-        with respect to them (WGAN-GP's interpolated samples). A loss that
-        came from this model's own `compute_loss` in the same step already
-        holds them and is not penalized twice.
-
-        Call it inside a training step (in the replica context under
-        `tf.distribute`).
-
-        Args:
-            loss: A function of no arguments returning the scalar loss, or
-                (TensorFlow) a scalar tensor recorded by `tape`. The loss is
-                as Keras' losses compute it: a mean over this replica's
-                batch which, under `tf.distribute`, Keras' loss objects and
-                `compute_loss` divide by the replica count. Not loss-scaled:
-                this method calls `optimizer.scale_loss` itself.
-            tape: With a loss tensor, the `tf.GradientTape` that recorded it
-                (it may still be recording, or have stopped). `None` with a
-                loss function.
-            variables: List of the variables to update. Defaults to
-                `self.trainable_variables`.
-            optimizer: The optimizer to update them with. Defaults to
-                `self.optimizer`.
-            penalty_inputs: Inputs of this network at which its
-                `input_gradient_penalty` is taken (a tensor or the nested
-                structure the network takes). Needed exactly when the
-                network has that option.
-            has_aux: Bool. If `True`, the loss function returns a pair
-                `(loss, aux)` and `minimize` returns `(applied, aux)`.
-                Defaults to `False` (the function returns the loss).
-
-        Returns:
-            `applied`: `None` when the update is applied unconditionally (a
-            `LossScaleOptimizer` may still skip it, as in Keras); otherwise
-            a boolean scalar tensor, true when this call changed the
-            variables (false on a skipped non-finite step, or on a
-            micro-batch of gradient accumulation). With `has_aux=True`,
-            the pair `(applied, aux)`, `aux` as the loss function returned
-            it, every tensor in it without gradient (whether or not the
-            update is applied).
-
-        Raises:
-            ValueError: If `loss` is a tensor without its tape or a
-                function with one, if there is no optimizer, the optimizer
-                has its own `gradient_accumulation_steps`, `penalty_inputs` is
-                missing or has no use, `transform_gradients` returns a
-                list that does not match the variables, or the loss
-                function's result does not match `has_aux` (found once
-                the function ran: layer state its forward pass updated,
-                such as batch statistics, stays updated).
-        """
-        if not isinstance(has_aux, bool):
-            raise ValueError(
-                "`has_aux` must be True or False. Received: "
-                f"has_aux={has_aux!r}."
-            )
-        if callable(loss):
-            if tape is not None:
-                raise ValueError(
-                    "`minimize` takes a loss function, or a loss tensor and "
-                    "the tape that recorded it. Received: a function and "
-                    f"tape={tape!r}. Leave `tape` out with a loss function."
-                )
-            function = loss
-            update = _update.of_loss_function(
-                self,
-                lambda: _update.loss_and_aux(function(), has_aux),
-                variables,
-                optimizer,
-                penalty_inputs,
-            )
-            if has_aux:
-                return update.applied, _update.without_gradient(update.aux)
-            return update.applied
-        if has_aux:
-            raise ValueError(
-                "`has_aux=True` takes a loss function returning `(loss, "
-                "aux)`. Received: a loss tensor and its tape (whatever else "
-                "the tape recorded is in your hands already). Leave "
-                "`has_aux` out, or pass a function."
-            )
-        if tape is None:
-            raise ValueError(
-                "A loss tensor needs the tape that recorded it. Received: "
-                "tape=None. Pass the tape, or pass a function of no "
-                "arguments that computes the loss."
-            )
-        return _update.of_recorded_loss(
-            self, loss, tape, variables, optimizer, penalty_inputs
-        ).applied
-
     def option_in_step(self, name: str) -> Any:
         """Returns option `name` as the running step uses it.
 
@@ -715,21 +561,6 @@ class TrainStepMixin(
         )
         self._report(options[name].logged_as, current, reduction="last")
         return current
-
-    def _add_penalties(self, loss: Tensor, penalty_inputs: Any) -> Tensor:
-        """Returns the loss `minimize` differentiates: here, `loss` itself.
-
-        `RegularizationMixin` adds the network's penalties.
-        """
-        if penalty_inputs is not None:
-            raise ValueError(
-                "`penalty_inputs` is only used by an input-gradient penalty, "
-                f"and the model {self.name!r} has none. Received: "
-                "penalty_inputs=<given>. Build the network with "
-                "custom_fit.RegularizationMixin and input_gradient_penalty=, "
-                "or leave `penalty_inputs` out."
-            )
-        return loss
 
     # The step.
 
@@ -830,194 +661,3 @@ class TrainStepMixin(
         """Notes that the running kind of step logs Keras' `loss`."""
         metrics = _model_state.state_of(self).metrics
         metrics.kinds.setdefault("loss", set()).add(metrics.step())
-
-    # Metrics reported from inside the step.
-
-    def gradient_global_norm(self, gradients: Gradients) -> Tensor:
-        """Returns the global norm of `gradients`, shared within the update.
-
-        Call it from a hook (`transform_gradients`): within one update the
-        squared norms of a list of gradients are computed once and shared
-        by every reader (global clipping, the guard of `skip_nonfinite`,
-        inspection's per-layer norms, and your transform), so asking for
-        the norm of the gradients your hook received costs no second pass
-        over them. Outside a step it computes the norm.
-
-        Args:
-            gradients: List of gradients (`None` entries ignored), as a hook
-                receives them.
-
-        Returns:
-            A float32 scalar tensor: the square root of the sum of every
-            entry's square.
-        """
-        return _figures.of(self, gradients).norm
-
-    def scale_gradients(
-        self, gradients: Gradients, factor: Scalar
-    ) -> Gradients:
-        """Returns `gradients` times one `factor`, with their figures known.
-
-        For a transform that multiplies every gradient by the same scalar
-        (a normalization, a clipping of your own): the hooks after it
-        (the guard, inspection) read the result's norm from the input's
-        and the factor, instead of a second pass over every gradient, as
-        they would for gradients multiplied by `ops.multiply`. (Float32
-        gradients; in another dtype, such as float16 under mixed
-        precision, the product's rounding differs from the derived figures
-        and the readers after it take their own pass.)
-
-        Args:
-            gradients: List of gradients (`None` kept; sparse ones keep
-                their indices).
-            factor: Python float or scalar tensor.
-
-        Returns:
-            The scaled list, aligned with `gradients`.
-
-        Raises:
-            ValueError: If `factor` is not a scalar.
-        """
-        if len(ops.shape(factor)) != 0:
-            raise ValueError(
-                "scale_gradients multiplies every gradient by one scalar. "
-                f"Received: a factor of shape {tuple(ops.shape(factor))}. "
-                "Pass a float or a scalar tensor."
-            )
-        present = [g for g in gradients if g is not None]
-        if not present:
-            return list(gradients)
-        figures = _figures.of(self, gradients)
-        factor = ops.cast(factor, "float32")
-        scaled = iter(backend.current().scaled(present, factor))
-        result = [None if g is None else next(scaled) for g in gradients]
-        if all(
-            keras.backend.standardize_dtype(g.dtype) in ("float32", "float64")
-            for g in present
-        ):
-            # Float32 products match the derived figures; any factor.
-            _figures.register(
-                self, figures.scaled(result, factor, at_most_one=False)
-            )
-        return result
-
-    def report_metric(
-        self,
-        name: str,
-        value: Scalar,
-        sample_weight: Scalar | None = None,
-        reduction: str = "mean",
-    ) -> None:
-        """Reports a named scalar from inside a step as a Keras metric.
-
-        Call it from any hook of `train_step` or `test_step` (or from
-        `compute_loss`). The metric is created on first use, updated at every
-        step, appears in the progress bar and in `History` (as
-        `val_<name>` when also reported in `test_step`), and is reset, like
-        every Keras metric, at the start of each epoch and of each
-        `evaluate()`. A metric reported only in `train_step` does not appear
-        in validation logs, and the other way round. With `skip_nonfinite`,
-        a skipped step updates no metric: its reports are dropped.
-
-        When this model is a network inside another custom_fit model whose
-        `fit` runs (a GAN's discriminator, updated with `minimize`), the log
-        key is prefixed with this model's name: `discriminator_grad_norm`.
-        The outer model lists such metrics among its own, so Keras logs and
-        resets them.
-
-        The name may not be one that Keras already logs: `loss`, a compiled
-        loss or metric (`accuracy`, `mae`, `<output>_loss`), or an output's
-        name. To log your own loss under `loss`, override `compute_loss`:
-        Keras tracks what it returns.
-
-        A mixin owns the names it lists in its class attribute `reports`
-        (each with its `<name>/...` keys): only the methods of a class that
-        lists the name report it, and a report from anywhere else (another
-        mixin, the model's class, code outside the model) is refused,
-        naming the owner. A subclass that reports a name of its base lists
-        it in its own `reports` too.
-
-        Args:
-            name: String. The log key.
-            value: Scalar tensor. This step's value.
-            sample_weight: Optional scalar weight of this step's value in the
-                epoch mean (Keras weights the loss by the batch size).
-            reduction: `"mean"` (weighted running mean over the epoch, each
-                replica's value counted with its weight), `"sum"` (total
-                over the epoch's steps; under `tf.distribute` the value must
-                be the same on every replica, and is counted once),
-                `"last"` (the last step's value: what a batch-level callback
-                sees is each step's own value, and the epoch's log is its
-                last step's; the value must be the same on every replica;
-                for a value in force, such as a schedule's) or `"step"` (as
-                `"last"`, in batch logs only: epoch logs and History leave
-                it out, for a figure of one step that says nothing of the
-                epoch).
-
-        Raises:
-            ValueError: If `reduction` is not one of `"mean"`, `"sum"`,
-                `"last"` and `"step"`, if
-                `name` is already the name of another metric or output of
-                the model, or one another class of the model lists in its
-                `reports` (`grad_norm`), or if `value` is not a scalar.
-
-        Example:
-
-        ```python
-        class Net(custom_fit.TrainStepMixin, keras.Model):
-            def compute_loss(self, x, y, y_pred, sample_weight=None,
-                             training=True):
-                loss = super().compute_loss(
-                    x, y, y_pred, sample_weight, training=training)
-                self.report_metric("prediction_mean", ops.mean(y_pred))
-                return loss
-        ```
-        """
-        outputs = getattr(self, "output_names", None) or ()
-        if name in outputs:
-            raise ValueError(
-                f"The model already has an output named {name!r}, under "
-                f"which Keras logs its losses and metrics. Received: "
-                f"name={name!r}. Report it under another name."
-            )
-        declaring = _options.declaring_classes(type(self), name)
-        if declaring:
-            frame = inspect.currentframe()
-            try:
-                caller = _options.reporting_class(
-                    self, frame.f_back if frame is not None else None
-                )
-            finally:
-                del frame  # no cycle holding the callers' locals
-            if caller not in declaring:
-                raise ValueError(
-                    f"{declaring[-1].__name__} logs {name!r} itself (it is "
-                    f"in its `reports`); a report from elsewhere would be "
-                    "averaged with its own. Received: name="
-                    f"{name!r}, reported from "
-                    f"{caller.__name__ if caller else 'outside the model'}. "
-                    "Report it under another name, or list it in the "
-                    "`reports` of the class whose method reports it."
-                )
-        self._report(name, value, sample_weight, reduction)
-
-    def _report(
-        self,
-        name: str,
-        value: Scalar,
-        sample_weight: Scalar | None = None,
-        reduction: str = "mean",
-        held: bool = True,
-    ) -> None:
-        """`report_metric`; with `held=False` never held for the verdict."""
-        _model_state.state_of(self).metrics.report(
-            self, name, value, sample_weight, reduction, held
-        )
-
-    def _warn_once(self, key: str, message: str) -> None:
-        """Emits `message` as a `UserWarning` once per model and `key`."""
-        warned = _model_state.state_of(self).warned
-        if key in warned:
-            return
-        warned.add(key)
-        warnings.warn(message, UserWarning, stacklevel=3)

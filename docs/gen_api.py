@@ -37,19 +37,50 @@ def named_module(module):
     return module
 
 
-def write(path, identifier, children=(), signature=True):
+# The bases `TrainStepMixin` is made of, by concern, whose public methods
+# are its own (`minimize`, `report_metric`, ...): its page lists them.
+TRAIN_STEP_BASES = (
+    "custom_fit._update.Minimizing",
+    "custom_fit._figures.SharedFigures",
+    "custom_fit._reporting.Reporting",
+)
+
+
+def public_methods(paths):
+    """The public functions of the classes at `paths`, in source order."""
+    names = []
+    for path in paths:
+        members = package[path.removeprefix("custom_fit.")].members
+        names.extend(
+            name
+            for name, member in members.items()
+            if member.is_function and not name.startswith("_")
+        )
+    return names
+
+
+def write(path, identifier, children=(), signature=True, inherited=()):
     """Writes `api/<path>.md`: the symbol's docstring, and its children.
 
     A mixin's signature is left out: its constructor takes `*args,
     **kwargs` (Keras' model arguments) and its options, which its Args
-    list (`help()` shows them in the signature).
+    list (`help()` shows them in the signature). `inherited` names the
+    methods of its bases the page lists as its own.
     """
+    options = []
+    if not signature:
+        options.append("show_signature: false")
+    if children:
+        options.append("members: false")
+    if inherited:
+        options.append(f"inherited_members: {list(inherited)}")
     with mkdocs_gen_files.open(f"api/{path}.md", "w") as page:
         page.write(f"::: {identifier}\n")
-        if not signature:
-            page.write("    options:\n      show_signature: false\n\n")
+        if options:
+            page.write("    options:\n")
+            page.writelines(f"      {option}\n" for option in options)
+            page.write("\n")
         if children:
-            page.write("    options:\n      members: false\n\n")
             page.write("| name | summary |\n|---|---|\n")
             for name, summary in children:
                 page.write(f"| [`{name}`]({path}.{name}.md) | {summary} |\n")
@@ -86,7 +117,12 @@ for name in package.exports:
             and any("TrainStepMixin" in str(base) for base in target.bases)
             or str(name) == "TrainStepMixin"
         )
-        write(identifier, identifier, signature=not mixin)
+        inherited = (
+            public_methods(TRAIN_STEP_BASES)
+            if str(name) == "TrainStepMixin"
+            else ()
+        )
+        write(identifier, identifier, signature=not mixin, inherited=inherited)
         nav[(identifier,)] = f"{identifier}.md"
 
 with mkdocs_gen_files.open("api/index.md", "w") as index:

@@ -58,6 +58,7 @@ EXPECTED = {
         r"Did you mean `global_clipnorm`.*fixed when the model is built"
     ),
     ("docs/guides/your-own-mixin.md", "State"): r"^[0-9.]+\s*$",
+    ("docs/guides/your-own-mixin.md", "State per variable"): r"^True\s*$",
     ("docs/guides/your-own-mixin.md", "The names your mixin logs"): (
         r"\['update_norm/hidden', 'update_norm/out'\]"
     ),

@@ -20,15 +20,14 @@ class ModelState:
 
     Attributes:
         options: Dict of option name to its validated value.
-        declared: Dict of declared state name to its variable.
+        declared: Dict of declared state name to its variable (a
+            generator for `Seeds`, a `VariableSlots` for `Slots`).
         metrics: The `report_metric` registry (`_step_metrics.StepMetrics`).
         guard: The guard of `skip_nonfinite` (`_guard.Guard`), made when
             the options are configured.
         holder: The `_state.StateHolder` listing the model's state
             variables and the optimizers its networks are updated with.
         accumulators: Dict of variable-set key to `GradientAccumulator`.
-        inspection: Dict of variable-set key to inspection state.
-        inspection_key: Key of the last inspected variable set.
         warned: Set of keys of the warnings already given.
         generation: Integer, moved on by every call of a step function
             that runs this model, so that per-step marks of a trace can be
@@ -49,8 +48,6 @@ class ModelState:
         self.guard: Any = None
         self.holder = _state.StateHolder()
         self.accumulators: dict[tuple[int, ...], Any] = {}
-        self.inspection: dict[tuple[int, ...], Any] = {}
-        self.inspection_key: tuple[int, ...] | None = None
         self.warned: set[str] = set()
         self.generation = 0
         self.local = threading.local()

@@ -1,5 +1,6 @@
 """`GradientInspectionMixin`: per-layer gradient figures from the real step."""
 
+import dataclasses
 from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
@@ -180,10 +181,8 @@ class GradientInspectionMixin(TrainStepMixin):
         There is one state per set of inspected variables (freezing a layer
         and compiling again changes the set); the last traced one is read.
         """
-        state = _model_state.state_of(self)
-        if state.inspection_key is None:
-            return None
-        return state.inspection.get(state.inspection_key)
+        record = _model_state.record_of(self, _RECORD, _InspectionRecord)
+        return record.states.get(record.last)
 
     # In the step.
 
@@ -305,18 +304,38 @@ class GradientInspectionMixin(TrainStepMixin):
 
         See `_InspectionState`.
         """
-        state = _model_state.state_of(self)
+        record = _model_state.record_of(self, _RECORD, _InspectionRecord)
         key = tuple(id(variable) for variable in variables)
-        if key not in state.inspection:
-            state.inspection[key] = _InspectionState(
+        if key not in record.states:
+            record.states[key] = _InspectionState(
                 self,
                 owners,
                 variables,
                 ("norm",) + tuple(self.gradient_statistics),
                 self.keep_gradients,
             )
-        state.inspection_key = key
-        return state.inspection[key]
+        record.last = key
+        return record.states[key]
+
+
+# The key of inspection's record in a model's state (`record_of`).
+_RECORD = "GradientInspectionMixin"
+
+
+@dataclasses.dataclass
+class _InspectionRecord:
+    """What inspection keeps of a model on the host.
+
+    Attributes:
+        states: Dict of a variable set's key (the variables' ids) to its
+            `_InspectionState`.
+        last: The key of the last traced set, or `None`.
+    """
+
+    states: dict[tuple[int, ...], "_InspectionState"] = dataclasses.field(
+        default_factory=dict
+    )
+    last: tuple[int, ...] | None = None
 
 
 class _InspectionState:

@@ -325,40 +325,14 @@ class SwapEmaWeightsOfGroupsTest(Case):
         self.assertSameTraining(model, oracle)
 
 
-@pytest.mark.tensorflow
-class MirroredEmaTest(Case):
-    def test_two_replicas_equal_one_device(self):
-        """Under MirroredStrategy, a skipped batch and SwapEMAWeights give
-        the average of plain Keras trained on one device without the
-        batch."""
-        x, y, x_clean, y_clean = data_with_nan()
-        x_val, y_val = validation_data()
-        callbacks = [keras.callbacks.SwapEMAWeights()]
-        with testing.mirrored_strategy().scope():
-            model = compiled(testing.mlp(Net, skip_nonfinite=True))
-        history = fit(
-            model, x, y, validation_data=(x_val, y_val), callbacks=callbacks
-        )
-        oracle = compiled(testing.mlp(keras.Model))
-        expected = fit(
-            oracle,
-            x_clean,
-            y_clean,
-            validation_data=(x_val, y_val),
-            callbacks=[keras.callbacks.SwapEMAWeights()],
-        )
-        self.assertSameHistory(history, expected)
-        self.assertSameTraining(model, oracle, atol=2e-6)
-
-
-@pytest.mark.jax
-class DataParallelEmaTest(Case):
+class TwoDevicesEmaTest(Case):
     def test_two_devices_equal_one_device(self):
-        """Under DataParallel, a skipped batch and SwapEMAWeights give the
-        average of plain Keras trained on one device without the batch."""
+        """Over two devices (MirroredStrategy on TensorFlow, DataParallel on
+        JAX), a skipped batch and SwapEMAWeights give the average of plain
+        Keras trained on one device without the batch."""
         x, y, x_clean, y_clean = data_with_nan()
         x_val, y_val = validation_data()
-        with testing.data_parallel():
+        with testing.two_devices():
             model = compiled(testing.mlp(Net, skip_nonfinite=True))
             history = fit(
                 model,

@@ -26,47 +26,33 @@ VOCABULARY = 32
 SEQUENCE = 8
 
 
-class ClippedLM(
+def task_class(name, *mixins, task=None):
+    """Returns `class <name>(*mixins, task): pass` (GPT-2's causal LM by
+    default), as a user's class statement makes it."""
+    task = task or keras_hub.models.GPT2CausalLM
+    return type(name, (*mixins, task), {"__module__": __name__})
+
+
+ClippedLM = task_class(
+    "ClippedLM",
     custom_fit.GradientClippingMixin,
     custom_fit.GradientInspectionMixin,
-    keras_hub.models.GPT2CausalLM,
-):
-    pass
+)
+InspectedLM = task_class("InspectedLM", custom_fit.GradientInspectionMixin)
+RegularizedLM = task_class("RegularizedLM", custom_fit.RegularizationMixin)
+ClippingLM = task_class("ClippingLM", custom_fit.GradientClippingMixin)
+PrivateLM = task_class("PrivateLM", custom_fit.DifferentialPrivacyMixin)
+ClippedClassifier = task_class(
+    "ClippedClassifier",
+    custom_fit.GradientClippingMixin,
+    task=keras_hub.models.BertTextClassifier,
+)
 
 
-class InspectedLM(
-    custom_fit.GradientInspectionMixin, keras_hub.models.GPT2CausalLM
-):
-    pass
-
-
-class RegularizedLM(
-    custom_fit.RegularizationMixin, keras_hub.models.GPT2CausalLM
-):
-    pass
-
-
-class ClippingLM(
-    custom_fit.GradientClippingMixin, keras_hub.models.GPT2CausalLM
-):
-    pass
-
-
-class PrivateLM(
-    custom_fit.DifferentialPrivacyMixin, keras_hub.models.GPT2CausalLM
-):
-    pass
-
-
-class ClippedClassifier(
-    custom_fit.GradientClippingMixin, keras_hub.models.BertTextClassifier
-):
-    pass
-
-
-def gpt2_backbone(dropout=0.0, **kwargs):
-    """Returns a 2-layer GPT-2 backbone of width 8."""
-    return keras_hub.models.GPT2Backbone(
+def gpt2_backbone(dropout=0.0, lora_rank=None, **kwargs):
+    """Returns a 2-layer GPT-2 backbone of width 8, with LoRA factors of
+    `lora_rank` if given."""
+    backbone = keras_hub.models.GPT2Backbone(
         vocabulary_size=VOCABULARY,
         num_layers=2,
         num_heads=2,
@@ -76,6 +62,9 @@ def gpt2_backbone(dropout=0.0, **kwargs):
         dropout=dropout,
         **kwargs,
     )
+    if lora_rank is not None:
+        backbone.enable_lora(rank=lora_rank)
+    return backbone
 
 
 def tokens(samples=16, seed=0):
@@ -185,9 +174,7 @@ class CausalLMTest(testing.TestCase):
         options and its predictions (under LoRA, Keras saves the kernels
         with the factors merged in)."""
         x, y = tokens()
-        backbone = gpt2_backbone()
-        if lora:
-            backbone.enable_lora(rank=2)
+        backbone = gpt2_backbone(lora_rank=2 if lora else None)
         task = ClippedLM(
             backbone=backbone,
             preprocessor=None,
@@ -328,9 +315,7 @@ class LayerDepthTest(testing.TestCase):
     def test_layer_depth_2_groups_by_transformer_layer(self, lora):
         """With and without LoRA, each trainable variable of the backbone is
         grouped under its own layer (one group per transformer layer)."""
-        backbone = gpt2_backbone()
-        if lora:
-            backbone.enable_lora(rank=4)
+        backbone = gpt2_backbone(lora_rank=4 if lora else None)
         task = InspectedLM(backbone=backbone, preprocessor=None, layer_depth=2)
         variables = task.trainable_variables
         groups = task.layer_names_of(variables)
@@ -369,9 +354,7 @@ class LayerDepthTest(testing.TestCase):
 
     def check_layer_norms(self, lora):
         x, y = tokens(samples=4)
-        backbone = gpt2_backbone()
-        if lora:
-            backbone.enable_lora(rank=4)
+        backbone = gpt2_backbone(lora_rank=4 if lora else None)
         task = InspectedLM(
             backbone=backbone,
             preprocessor=None,
@@ -404,8 +387,7 @@ class PenalizedVariablesUnderLoRATest(testing.TestCase):
         """Under LoRA, `l2` penalizes the trainable factors A and B (every
         trainable variable but the biases), never the frozen kernels."""
         x, y = tokens()
-        backbone = gpt2_backbone()
-        backbone.enable_lora(rank=4)
+        backbone = gpt2_backbone(lora_rank=4)
         task = RegularizedLM(backbone=backbone, preprocessor=None, l2=0.01)
         fit(task, x, y, epochs=1)  # B leaves zero
         names = [v.path.split("/")[-1] for v in task.trainable_variables]
@@ -429,8 +411,7 @@ class PenalizedVariablesUnderLoRATest(testing.TestCase):
     def test_names_that_select_only_frozen_kernels_are_refused(self):
         """`penalized_variable_names=["kernel"]` under LoRA penalizes
         nothing: refused, listing the trainable variables' names."""
-        backbone = gpt2_backbone()
-        backbone.enable_lora(rank=4)
+        backbone = gpt2_backbone(lora_rank=4)
         with self.assertRaisesRegex(
             ValueError,
             r"Received: penalized_variable_names=\['kernel'\].*"

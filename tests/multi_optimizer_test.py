@@ -7,7 +7,6 @@ import unittest
 
 import keras
 import numpy as np
-import pytest
 from absl.testing import parameterized
 from tensorboard.backend.event_processing import event_accumulator
 from tensorboard.util import tensor_util
@@ -309,37 +308,12 @@ class MultiOptimizerTest(testing.TestCase):
         self.assertMatchesHandRun(model, HandRun().fit(x[keep], y[keep], 1))
 
 
-@pytest.mark.tensorflow
-class MirroredMultiOptimizerTest(testing.TestCase):
-    def test_two_replicas_equal_one_device(self):
-        """MirroredStrategy over two replicas equals one device."""
-        x, y = testing.classification_data()
-        with testing.mirrored_strategy().scope():
-            model = compiled(testing.mlp(Net, global_clipnorm=CLIPNORM))
-        two = fit(model, x, y)
-        single = compiled(testing.mlp(Net, global_clipnorm=CLIPNORM))
-        one = fit(single, x, y)
-        self.assertWeightsClose(model, single, atol=2e-6)
-        self.assertAllClose(two["loss"], one["loss"], rtol=1e-5)
-        self.assertAllClose(
-            group_states(model), group_states(single), atol=2e-6, rtol=1e-5
-        )
-        hand = HandRun().fit(x, y)
-        self.assertAllClose(
-            model.get_weights(), values(hand.model.weights), atol=2e-6
-        )
-
-
-@pytest.mark.jax
-class DataParallelMultiOptimizerTest(testing.TestCase):
-    def tearDown(self):
-        keras.distribution.set_distribution(None)
-        super().tearDown()
-
+class TwoDevicesMultiOptimizerTest(testing.TestCase):
     def test_two_devices_equal_one_device(self):
-        """DataParallel over two devices equals one device."""
+        """Over two devices (MirroredStrategy on TensorFlow, DataParallel on
+        JAX) equals one device and the hand-run oracle."""
         x, y = testing.classification_data()
-        with testing.data_parallel():
+        with testing.two_devices():
             model = compiled(testing.mlp(Net, global_clipnorm=CLIPNORM))
             two = fit(model, x, y)
         single = compiled(testing.mlp(Net, global_clipnorm=CLIPNORM))

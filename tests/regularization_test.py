@@ -324,6 +324,17 @@ class ComponentsInHistoryTest(testing.TestCase):
 
 
 class PenaltyOracleTest(testing.TestCase):
+    def assertStepEqualsOracleOf(self, model, inputs, y, watch_key):
+        """One SGD step (rate 0.5, input-gradient penalty weight 0.5, the
+        squared norm) equals the double-tape oracle that differentiates the
+        input `watch_key` alone."""
+        expected, _ = double_tape_step(
+            model, inputs, y, 0.5, 0.5, "squared_norm", watch_key=watch_key
+        )
+        compiled(model, learning_rate=0.5)
+        model.fit(inputs, y, batch_size=32, verbose=0)
+        self.assertAllClose(model.get_weights(), expected, rtol=1e-5, atol=1e-6)
+
     def test_l2_penalty_equals_hand_computation(self):
         """l2_penalty is l2 * sum(kernel**2); biases join only on request."""
         x, y = testing.classification_data(samples=16)
@@ -422,18 +433,7 @@ class PenaltyOracleTest(testing.TestCase):
         x, y = testing.classification_data(samples=32)
         inputs = {"used": x, "unused": np.ones((32, 2), "float32")}
         model = UsesOneInput(input_gradient_penalty=0.5)
-        expected, _ = double_tape_step(
-            model,
-            inputs,
-            y,
-            0.5,
-            0.5,
-            "squared_norm",
-            watch_key="used",
-        )
-        compiled(model, learning_rate=0.5)
-        model.fit(inputs, y, batch_size=32, verbose=0)
-        self.assertAllClose(model.get_weights(), expected, rtol=1e-5, atol=1e-6)
+        self.assertStepEqualsOracleOf(model, inputs, y, "used")
 
     def test_integer_inputs_left_out_of_the_penalty(self):
         """With token ids beside float features, only the features are
@@ -442,18 +442,7 @@ class PenaltyOracleTest(testing.TestCase):
         tokens = np.random.RandomState(3).randint(0, 5, (32, 3))
         inputs = {"tokens": tokens.astype("int32"), "features": x}
         model = tokens_and_features_model(input_gradient_penalty=0.5)
-        expected, _ = double_tape_step(
-            model,
-            inputs,
-            y,
-            0.5,
-            0.5,
-            "squared_norm",
-            watch_key="features",
-        )
-        compiled(model, learning_rate=0.5)
-        model.fit(inputs, y, batch_size=32, verbose=0)
-        self.assertAllClose(model.get_weights(), expected, rtol=1e-5, atol=1e-6)
+        self.assertStepEqualsOracleOf(model, inputs, y, "features")
 
     def test_nested_pass_goes_through_forward_pass_hook(self):
         """An override of `forward_pass` is used by the penalty's second

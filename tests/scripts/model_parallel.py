@@ -203,12 +203,10 @@ def weight_shaped_state(model):
     for accumulator in state.accumulators.values():
         variables = model.trainable_variables
         found["gradient_sums"] = list(zip(accumulator.sums, variables))
-    for key, inspection in state.inspection.items():
-        by_id = {id(v): v for v in model.trainable_variables}
-        weights = [by_id[i] for i in key]
+    if "_kept_gradients" in state.declared:
         found["kept_gradients"] = [
             (kept, weight)
-            for (_, kept), weight in zip(inspection.kept, weights)
+            for weight, kept in state.declared["_kept_gradients"].items()
         ]
     return found
 

@@ -252,8 +252,12 @@ class State:
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
-        self.__doc__ = (
-            f"The state variable `{name}` of {owner.__name__}: shape "
+        self.__doc__ = self._describe(owner.__name__)
+
+    def _describe(self, owner: str) -> str:
+        """The declaration's docstring (`help()` of the class shows it)."""
+        return (
+            f"The state variable `{self.name}` of {owner}: shape "
             f"{self.shape}, {self.dtype}."
         )
 
@@ -343,10 +347,9 @@ class Seeds(State):
         self.seed_option = seed_option
         self.secret = _validation.boolean("secret", secret)
 
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-        self.__doc__ = (
-            f"The seed generator `{name}` of {owner.__name__}, seeded by "
+    def _describe(self, owner: str) -> str:
+        return (
+            f"The seed generator `{self.name}` of {owner}, seeded by "
             f"the option `{self.seed_option}`"
             + (" (secret when not given)." if self.secret else ".")
         )

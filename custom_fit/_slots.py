@@ -88,11 +88,10 @@ class Slots(_options.State):
         self.slot_dtype = dtype
         self.saved = _validation.boolean("saved", saved)
 
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-        self.__doc__ = (
-            f"The slots `{name}` of {owner.__name__}: one per trained "
-            "variable" + (", saved with the weights." if self.saved else ".")
+    def _describe(self, owner: str) -> str:
+        return (
+            f"The slots `{self.name}` of {owner}: one per trained variable"
+            + (", saved with the weights." if self.saved else ".")
         )
 
     def __repr__(self) -> str:

@@ -700,6 +700,51 @@ class SlotsTest(testing.TestCase):
         self.assertGreater(testing.max_difference(
             self.fit(fresh, x, y).get_weights(), expected.get_weights()), 1e-4)
 
+    def test_backup_and_restore_resumes_the_slots(self):
+        """A run stopped after its second epoch and resumed by Keras'
+        `BackupAndRestore` (into a model with other initial weights) ends
+        where the uninterrupted run ends; with `saved=False` the resumed
+        slots start from zero and it does not."""
+
+        class Stop(keras.callbacks.Callback):
+            def on_epoch_end(self, epoch, logs=None):
+                if epoch == 1:
+                    raise RuntimeError("stopped")
+
+        x, y = testing.classification_data(samples=32)
+        for model_class, resumes in (
+            (MomentumNet, True),
+            (UnsavedMomentumNet, False),
+        ):
+            expected = self.fit(testing.mlp(model_class), x, y, epochs=3)
+            backup = keras.callbacks.BackupAndRestore(tempfile.mkdtemp())
+            model = testing.mlp(model_class)
+            with self.assertRaisesRegex(RuntimeError, "stopped"):
+                model.compile(
+                    optimizer=keras.optimizers.SGD(0.1),
+                    loss=testing.sparse_crossentropy(),
+                )
+                model.fit(
+                    x, y, batch_size=8, epochs=3, shuffle=False, verbose=0,
+                    callbacks=[backup, Stop()],
+                )
+            resumed = testing.mlp(model_class, seed=9)
+            resumed.compile(
+                optimizer=keras.optimizers.SGD(0.1),
+                loss=testing.sparse_crossentropy(),
+            )
+            resumed.fit(
+                x, y, batch_size=8, epochs=3, shuffle=False, verbose=0,
+                callbacks=[backup],
+            )
+            difference = testing.max_difference(
+                resumed.get_weights(), expected.get_weights()
+            )
+            if resumes:
+                self.assertLess(difference, 1e-5)
+            else:
+                self.assertGreater(difference, 1e-3)
+
     def test_slots_a_model_does_not_declare_are_refused_on_loading(self):
         x, y = testing.classification_data(samples=8)
         weights = os.path.join(tempfile.mkdtemp(), "momentum.weights.h5")

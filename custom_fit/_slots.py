@@ -134,13 +134,13 @@ class VariableSlots:
             )
         slots = []
         for variable in variables:
-            if not hasattr(variable, "shape") or not hasattr(variable, "dtype"):
-                raise ValueError(
-                    f"`{self._name}.of(variables)` takes variables. "
-                    f"Received an element {variable!r} in variables."
-                )
             key = id(variable)
             if key not in self._made:
+                if not all(hasattr(variable, a) for a in ("shape", "dtype")):
+                    raise ValueError(
+                        f"`{self._name}.of(variables)` takes variables. "
+                        f"Received an element {variable!r} in variables."
+                    )
                 dtype = self._dtype or keras.backend.standardize_dtype(
                     variable.dtype
                 )
@@ -202,7 +202,7 @@ def load(model: Any, store: Any) -> Any:
     for key in ours:
         name, _, index = key[len(_PREFIX) :].partition(":")
         value = np.asarray(store[key])
-        at = int(index)
+        at = int(index) if index.isdigit() else len(variables)
         variable = variables[at] if at < len(variables) else None
         if name not in slots:
             problem = f"declares no saved slots `{name}` at its options"

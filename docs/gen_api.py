@@ -47,7 +47,21 @@ TRAIN_STEP_BASES = (
 
 
 def public_methods(paths):
-    """The public functions of the classes at `paths`, in source order."""
+    """The public functions of the classes at `paths`, in source order.
+
+    Each must still be a base of `TrainStepMixin`: a base renamed or
+    dropped stops the build instead of leaving its methods off the page.
+    """
+    bases = {
+        str(base).rsplit(".", 1)[-1]
+        for base in package["train_step_mixin"]["TrainStepMixin"].bases
+    }
+    for path in paths:
+        if path.rsplit(".", 1)[-1] not in bases:
+            raise SystemExit(
+                f"{path} is no base of TrainStepMixin: update "
+                "TRAIN_STEP_BASES in docs/gen_api.py."
+            )
     names = []
     for path in paths:
         members = package[path.removeprefix("custom_fit.")].members

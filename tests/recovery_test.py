@@ -48,16 +48,33 @@ class RecoveryTest(testing.TestCase):
         weights and optimizer state of an uninterrupted run."""
         directory = tempfile.mkdtemp()
         reference = os.path.join(directory, "reference.npz")
-        # The uninterrupted reference runs beside the killed run.
-        pool = concurrent.futures.ThreadPoolExecutor(1)
-        reference_run = pool.submit(
-            run,
-            script(
-                "recovery.py", os.path.join(directory, "ref_backup"), reference
-            ),
-        )
-        pool.shutdown(wait=False)
+        # The uninterrupted reference runs beside the killed run (and is
+        # waited for however that ends).
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            reference_run = pool.submit(
+                run,
+                script(
+                    "recovery.py",
+                    os.path.join(directory, "ref_backup"),
+                    reference,
+                ),
+            )
+            output, resumed = self.killed_then_resumed(directory)
+        reference_run.result()
+        # It resumed after the last backup (end of epoch 1), not from 0.
+        self.assertEqual(output.split(), ["epoch", "2", "epoch", "3"], output)
+        expected, actual = np.load(reference), np.load(resumed)
+        self.assertEqual(expected.files, actual.files)
+        # Not bitwise: a fresh process may differ in the last bit of a few
+        # weights (seen once in about ten runs, 3e-8). Losing the optimizer
+        # state or a batch on resume moves the weights by ~1e-3.
+        for key in expected.files:
+            self.assertAllClose(actual[key], expected[key], atol=1e-6)
 
+    def killed_then_resumed(self, directory):
+        """Runs recovery.py, kills it with SIGKILL in epoch 3, runs it again
+        from its backup; returns what the resumed run printed and the path
+        of the weights it saved."""
         backup = os.path.join(directory, "backup")
         os.makedirs(backup)
         process = subprocess.Popen(
@@ -88,16 +105,7 @@ class RecoveryTest(testing.TestCase):
 
         resumed = os.path.join(directory, "resumed.npz")
         output = run(script("recovery.py", backup, resumed))
-        reference_run.result()
-        # It resumed after the last backup (end of epoch 1), not from 0.
-        self.assertEqual(output.split(), ["epoch", "2", "epoch", "3"], output)
-        expected, actual = np.load(reference), np.load(resumed)
-        self.assertEqual(expected.files, actual.files)
-        # Not bitwise: a fresh process may differ in the last bit of a few
-        # weights (seen once in about ten runs, 3e-8). Losing the optimizer
-        # state or a batch on resume moves the weights by ~1e-3.
-        for key in expected.files:
-            self.assertAllClose(actual[key], expected[key], atol=1e-6)
+        return output, resumed
 
 
 class ParameterServerTest(testing.TestCase):

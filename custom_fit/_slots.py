@@ -1,12 +1,17 @@
-"""Declared state with one variable per trained variable (`options.Slots`).
+"""Declared state made the first time the step asks for it.
 
-A transform that keeps something per weight (an average of each gradient,
-as an optimizer's momentum) declares it once as a class attribute; each
-model then holds one `VariableSlots`, which makes a slot, shaped and laid
-out as its variable, the first time the step asks for that variable, and
-lists it in the model's state so that a pure step (JAX) carries it. Slots
-declared `saved=True` go into the model's weights file beside the weights
-(`save_own_variables`) under keys of their own, and come back on loading.
+Two declarations: `options.Slots`, one variable per trained variable, and
+`options.Buffers`, variables whose shape only the step knows (a count of
+losses, of layers). A transform that keeps something per weight (an
+average of each gradient, as an optimizer's momentum) declares `Slots`
+once as a class attribute; each model then holds one `VariableSlots`,
+which makes a slot, shaped and laid out as its variable, the first time
+the step asks for that variable, and lists it in the model's state so that
+a pure step (JAX) carries it. Slots declared `saved=True` go into the
+model's weights file beside the weights (`save_own_variables`) under keys
+of their own, and come back on loading. A `Buffers` declaration makes each
+model one `ShapedBuffers`, which makes a variable per key, of the shape
+given the first time that key is asked for, listed in the same way.
 """
 
 from collections.abc import Iterator
@@ -153,6 +158,124 @@ class VariableSlots:
     def items(self) -> Iterator[tuple[Variable, Any]]:
         """Yields `(variable, slot)` for each slot made so far."""
         yield from self._made.values()
+
+
+class Buffers(_options.State):
+    """State variables whose shape the step gives, made for each model.
+
+    Declare it as a class attribute of a mixin when the shape is known only
+    in the step (one entry per loss, per layer). Inside the step,
+    `self.<name>.variable(shape)` returns a variable of that shape, zero at
+    first, made the first time the step asks for it and the same one at
+    every step after; `key=` keeps several under one declaration (one per
+    set of variables, say). Read it with `keras.ops`, write it with
+    `.assign`. It travels with the step as a `State` does (JAX's step is
+    pure; one copy per replica under `tf.distribute`, each writing the
+    same, global figures), and as a `State` it is no part of the model's
+    files. Outside the step, `self.<name>.get(key)` returns a made variable
+    (or `None`) for a callback or a property to read.
+
+    Args:
+        dtype: String. The variables' dtype. Defaults to `"float32"`.
+        requires: As `State`'s.
+
+    Example:
+
+    ```python
+    class LossTotalsMixin(custom_fit.TrainStepMixin):
+        loss_totals = options.Buffers("float32")
+
+        def combine_gradients(self, gradients_by_loss, variables):
+            totals = self.loss_totals.variable((len(gradients_by_loss),))
+            totals.assign(totals + 1.0)
+            return super().combine_gradients(gradients_by_loss, variables)
+    ```
+    """
+
+    def __init__(
+        self, dtype: str = "float32", *, requires: Sequence[str] = ()
+    ) -> None:
+        try:
+            dtype = keras.backend.standardize_dtype(dtype)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"`dtype` is the buffers' dtype. Received: dtype={dtype!r}."
+            ) from None
+        super().__init__((), dtype, requires=requires)
+
+    def _describe(self, owner: str) -> str:
+        return (
+            f"The buffers `{self.name}` of {owner}: {self.dtype}, of the "
+            "shape the step gives."
+        )
+
+    def __repr__(self) -> str:
+        return f"Buffers({self.dtype!r})"
+
+    def make(self, instance: object) -> "ShapedBuffers":
+        """Returns the (empty) buffers of `instance`."""
+        return ShapedBuffers(instance, self.name, self.dtype)
+
+
+class ShapedBuffers:
+    """The variables of one `Buffers` declaration in one model.
+
+    Read as `self.<name>` inside the step; not made directly.
+    """
+
+    def __init__(self, model: Any, name: str, dtype: str) -> None:
+        self._model = model
+        self._name = name
+        self._dtype = dtype
+        self._made: dict[Any, Any] = {}
+
+    def variable(self, shape: Sequence[int], key: Any = None) -> Any:
+        """Returns the variable under `key`, made of `shape` on first use.
+
+        Args:
+            shape: Tuple of ints, the variable's shape.
+            key: Optional hashable, to keep several variables under one
+                declaration. Defaults to `None`.
+
+        Returns:
+            The state variable.
+
+        Raises:
+            ValueError: if `shape` is not a tuple of non-negative ints, or
+                the variable under `key` was made with another shape.
+        """
+        try:
+            sizes = tuple(int(size) for size in shape)
+        except (TypeError, ValueError):
+            sizes = (-1,)
+        if any(size < 0 for size in sizes):
+            raise ValueError(
+                f"`{self._name}.variable(shape)` takes a tuple of "
+                f"non-negative ints. Received: shape={shape!r}."
+            )
+        made = self._made.get(key)
+        if made is None:
+            with backend.current().model_scope(self._model):
+                made = backend.current().state_variable(
+                    sizes, self._dtype, self._name, False
+                )
+            _model_state.state_of(self._model).holder.track(made)
+            self._made[key] = made
+        elif tuple(made.shape) != sizes:
+            raise ValueError(
+                f"The buffer `{self._name}` under key {key!r} was made of "
+                f"shape {tuple(made.shape)}. Received: shape={sizes}. "
+                "Give each shape a key of its own."
+            )
+        return made
+
+    def get(self, key: Any = None) -> Any:
+        """Returns the variable made under `key`, or `None`."""
+        return self._made.get(key)
+
+    def items(self) -> Iterator[tuple[Any, Any]]:
+        """Yields `(key, variable)` for each variable made so far."""
+        yield from self._made.items()
 
 
 def _saved_slots(model: Any) -> dict[str, VariableSlots]:

@@ -13,7 +13,6 @@ from custom_fit import _gradient_ops
 from custom_fit import _model_state
 from custom_fit import _options
 from custom_fit import _slots
-from custom_fit import _state
 from custom_fit import _validation
 from custom_fit import backend
 from custom_fit import inspection
@@ -108,6 +107,10 @@ class GradientInspectionMixin(TrainStepMixin):
     inspect_every = _options.Option(1, _validation.positive_int)
     keep_gradients = _options.Option(False, _validation.boolean)
     _kept_gradients = _slots.Slots("float32", requires=("keep_gradients",))
+    # Per set of inspected variables (keyed by their ids): each statistic's
+    # vector of one figure per layer, and the set's marks.
+    _inspection_figures = _slots.Buffers("float32")
+    _inspection_marks = _slots.Buffers("int32")
     layer_norms_in_logs = _options.Option(False, _validation.boolean)
 
     # Reading the state (host side).
@@ -309,6 +312,7 @@ class GradientInspectionMixin(TrainStepMixin):
         if key not in record.states:
             record.states[key] = _InspectionState(
                 self,
+                key,
                 owners,
                 variables,
                 ("norm",) + tuple(self.gradient_statistics),
@@ -359,6 +363,7 @@ class _InspectionState:
     def __init__(
         self,
         model: Any,
+        key: tuple[int, ...],
         owners: Sequence[str],
         variables: Sequence[Variable],
         statistics: Sequence[str],
@@ -367,7 +372,9 @@ class _InspectionState:
         self._model = model
         self.layers = list(dict.fromkeys(owners))
         self.figures = {
-            name: _state.state_variable((len(self.layers),), "float32", name)
+            name: model._inspection_figures.variable(
+                (len(self.layers),), key=(key, name)
+            )
             for name in statistics
         }
         # The last gradients: the model's declared slots (one per
@@ -377,10 +384,7 @@ class _InspectionState:
             if keep_gradients
             else []
         )
-        self.marks = _state.state_variable((2,), "int32", "inspection_marks")
-        holder = _model_state.state_of(model).holder
-        for made in (*self.figures.values(), self.marks):
-            holder.track(made)
+        self.marks = model._inspection_marks.variable((2,), key=key)
 
     def value(self, variable: Any) -> np.ndarray:
         """Returns a state variable's value on the host."""

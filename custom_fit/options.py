@@ -13,7 +13,8 @@ class attributes: each model gets its own variable, made on every backend
 and carried with the step (JAX's step is pure), read and written inside the
 step as `self.<name>`; state kept per trained variable (an average of
 each gradient) is a `Slots` declaration, optionally saved with the
-weights; a random draw in the step takes its seed from a `Seeds`
+weights; state whose shape only the step knows (one entry per loss) is a
+`Buffers` declaration; a random draw in the step takes its seed from a `Seeds`
 declaration (a generator per model, seeded by one of the mixin's options,
 carried the same way).
 
@@ -51,6 +52,7 @@ class GradientNoiseMixin(custom_fit.TrainStepMixin):
 from custom_fit._options import Option
 from custom_fit._options import Seeds
 from custom_fit._options import State
+from custom_fit._slots import Buffers
 from custom_fit._slots import Slots
 from custom_fit._validation import boolean
 from custom_fit._validation import fraction
@@ -64,6 +66,7 @@ from custom_fit._validation import positive_int_or_none
 from custom_fit._validation import seed_or_none
 
 __all__ = [
+    "Buffers",
     "Option",
     "Seeds",
     "Slots",

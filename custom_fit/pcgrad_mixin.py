@@ -5,18 +5,14 @@ from collections.abc import Sequence
 import keras
 from keras import ops
 
-from custom_fit import _model_state
 from custom_fit import _options
-from custom_fit import _state
+from custom_fit import _slots
 from custom_fit import _validation
 from custom_fit import backend
 from custom_fit import pcgrad
 from custom_fit._types import Gradients
 from custom_fit._types import Variable
 from custom_fit.train_step_mixin import TrainStepMixin
-
-# The key of the last task order's variable (`_model_state.record_of`).
-_ORDER = "PCGradMixin.task_order"
 
 
 class PCGradMixin(TrainStepMixin):
@@ -69,11 +65,14 @@ class PCGradMixin(TrainStepMixin):
     pcgrad_seed = _options.Option(None, _validation.seed_or_none)
     # The generator of each step's task order.
     _order_seeds = _options.Seeds("pcgrad_seed")
+    # The last step's order (its length, the number of tasks, is known at
+    # the first step).
+    _last_order = _slots.Buffers("int32")
 
     @property
     def task_order(self) -> list[int]:
         """The order of the tasks at the last step (indices of the losses)."""
-        order = _model_state.state_of(self).records.get(_ORDER)
+        order = self._last_order.get()
         if order is None:
             return []
         return [int(i) for i in backend.current().host_value(self, order)]
@@ -98,11 +97,7 @@ class PCGradMixin(TrainStepMixin):
             if name != "regularization"
         }
         count = len(tasks)
-        # The last order, made at the first step (the number of tasks is
-        # known then), kept for `task_order`.
-        last = _model_state.record_of(
-            self, _ORDER, lambda: self._task_order_variable(count)
-        )
+        last = self._last_order.variable((count,))
         order = ops.cast(
             keras.random.shuffle(ops.arange(count), seed=self._order_seeds),
             "int32",
@@ -115,9 +110,3 @@ class PCGradMixin(TrainStepMixin):
         return super().combine_gradients(
             {"tasks": combined, "regularization": rest}, variables
         )
-
-    def _task_order_variable(self, count: int) -> Variable:
-        """Makes the variable of the last task order, carried by the step."""
-        variable = _state.state_variable((count,), "int32", "task_order")
-        _model_state.state_of(self).holder.track(variable)
-        return variable

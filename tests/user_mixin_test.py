@@ -352,6 +352,7 @@ class NarrowedDefaultTest(testing.TestCase):
         x = np.array(x)
         x[0, 0] = np.nan
         found = {}
+
         class PlainNet(custom_fit.TrainStepMixin, keras.Model):
             pass
 
@@ -654,8 +655,10 @@ class SlotsTest(testing.TestCase):
         keras_model = self.fit(testing.mlp(), x, y, mode, 0.9, epochs=2)
         self.assertWeightsClose(model, keras_model, atol=1e-5)
         plain = self.fit(testing.mlp(), x, y, mode, epochs=2)
-        self.assertGreater(testing.max_difference(
-            model.get_weights(), plain.get_weights()), 1e-3)
+        self.assertGreater(
+            testing.max_difference(model.get_weights(), plain.get_weights()),
+            1e-3,
+        )
 
     def test_two_devices_equal_keras_momentum(self):
         """Under MirroredStrategy (TensorFlow) or DataParallel (JAX), the
@@ -697,8 +700,12 @@ class SlotsTest(testing.TestCase):
         unsaved.save_weights(weights)
         fresh = testing.mlp(UnsavedMomentumNet)
         fresh.load_weights(weights)
-        self.assertGreater(testing.max_difference(
-            self.fit(fresh, x, y).get_weights(), expected.get_weights()), 1e-4)
+        self.assertGreater(
+            testing.max_difference(
+                self.fit(fresh, x, y).get_weights(), expected.get_weights()
+            ),
+            1e-4,
+        )
 
     def test_backup_and_restore_resumes_the_slots(self):
         """A run stopped after its second epoch and resumed by Keras'
@@ -725,7 +732,12 @@ class SlotsTest(testing.TestCase):
                     loss=testing.sparse_crossentropy(),
                 )
                 model.fit(
-                    x, y, batch_size=8, epochs=3, shuffle=False, verbose=0,
+                    x,
+                    y,
+                    batch_size=8,
+                    epochs=3,
+                    shuffle=False,
+                    verbose=0,
                     callbacks=[backup, Stop()],
                 )
             resumed = testing.mlp(model_class, seed=9)
@@ -734,7 +746,12 @@ class SlotsTest(testing.TestCase):
                 loss=testing.sparse_crossentropy(),
             )
             resumed.fit(
-                x, y, batch_size=8, epochs=3, shuffle=False, verbose=0,
+                x,
+                y,
+                batch_size=8,
+                epochs=3,
+                shuffle=False,
+                verbose=0,
                 callbacks=[backup],
             )
             difference = testing.max_difference(
@@ -762,3 +779,74 @@ class SlotsTest(testing.TestCase):
         model = testing.mlp(MomentumNet)
         with self.assertRaisesRegex(ValueError, r"variables='kernel'"):
             model.momentum_sums.of("kernel")
+
+
+class LossCountsMixin(custom_fit.TrainStepMixin):
+    """Counts each loss's updates in a buffer whose length, the number of
+    losses, only the step knows."""
+
+    loss_counts = options.Buffers("int32")
+
+    def combine_gradients(self, gradients_by_loss, variables):
+        counts = self.loss_counts.variable((len(gradients_by_loss),))
+        counts.assign(counts + 1)
+        return super().combine_gradients(gradients_by_loss, variables)
+
+
+class LossCountsNet(LossCountsMixin, keras.Model):
+    pass
+
+
+def two_output_net(**kwargs):
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Dense(8, activation="relu")(inputs)
+    outputs = {
+        "a": keras.layers.Dense(1, name="a")(hidden),
+        "b": keras.layers.Dense(1, name="b")(hidden),
+    }
+    model = LossCountsNet(
+        inputs, outputs, per_loss_gradients="outputs", **kwargs
+    )
+    return model
+
+
+class BuffersTest(testing.TestCase):
+    @parameterized.named_parameters(*testing.EXECUTION_MODES)
+    def test_a_buffer_of_the_steps_shape_is_carried(self, mode):
+        """A buffer made at the first step with one entry per loss holds,
+        after two epochs, each loss's count of updates: the optimizer's own
+        count (`optimizer.iterations`), on every backend and mode."""
+        model = two_output_net()
+        model.compile(optimizer="sgd", loss={"a": "mse", "b": "mse"}, **mode)
+        self.assertIsNone(model.loss_counts.get())
+        x = np.random.default_rng(0).normal(size=(32, 4)).astype("float32")
+        y = {"a": x[:, :1], "b": x[:, 1:2]}
+        model.fit(x, y, batch_size=8, epochs=2, verbose=0)
+        iterations = int(testing.to_numpy(model.optimizer.iterations))
+        self.assertEqual(iterations, 8)
+        self.assertEqual(
+            testing.to_numpy(model.loss_counts.get()).tolist(),
+            [iterations, iterations],
+        )
+        self.assertEqual([key for key, _ in model.loss_counts.items()], [None])
+
+    def test_keys_shapes_and_arguments(self):
+        """Keys keep variables apart; another shape under a made key, a
+        shape that is no tuple of sizes and an unknown dtype are refused,
+        naming what was received; a buffer is no weight."""
+        model = two_output_net()
+        weights = len(model.get_weights())
+        first = model.loss_counts.variable((3,))
+        self.assertIs(model.loss_counts.variable([3]), first)
+        other = model.loss_counts.variable((2, 2), key="other")
+        self.assertEqual(tuple(other.shape), (2, 2))
+        self.assertEqual(testing.to_numpy(other).tolist(), [[0, 0], [0, 0]])
+        self.assertLen(model.get_weights(), weights)
+        with self.assertRaisesRegex(ValueError, r"shape \(3,\).*shape=\(4,\)"):
+            model.loss_counts.variable((4,))
+        with self.assertRaisesRegex(ValueError, r"shape='three'"):
+            model.loss_counts.variable("three", key="bad")
+        with self.assertRaisesRegex(ValueError, r"shape=\(-1,\)"):
+            model.loss_counts.variable((-1,), key="bad")
+        with self.assertRaisesRegex(ValueError, r"dtype='floaty'"):
+            options.Buffers("floaty")

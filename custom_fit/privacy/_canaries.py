@@ -15,14 +15,11 @@ These are the step's pure functions and the state they update;
 `DifferentialPrivacyMixin` calls them where its step clips and noises.
 """
 
-from collections.abc import Callable
 from typing import Any
 
 from keras import ops
 
-from custom_fit import _state
 from custom_fit._types import Tensor
-from custom_fit._types import Variable
 from custom_fit.privacy import accounting
 
 __all__ = [
@@ -59,10 +56,14 @@ ROWS = (
 class Slot:
     """The state one audit keeps in one model's step.
 
+    Its variables are the model's declared `_audit_buffers`
+    (`DifferentialPrivacyMixin`), under the audit's own keys: a new audit
+    starts from zero.
+
     Args:
+        model: The audited `DifferentialPrivacyMixin` model.
+        audit: The audit (a key of its variables).
         num_canaries: Integer, the canaries (the slot's length).
-        track: Callable receiving each state variable made (the model's
-            `StateHolder.track`), so that a pure step carries it.
 
     Attributes:
         num_canaries: Integer.
@@ -73,18 +74,15 @@ class Slot:
             rows so far in the update.
     """
 
-    def __init__(
-        self, num_canaries: int, track: Callable[[Variable], None]
-    ) -> None:
+    def __init__(self, model: Any, audit: Any, num_canaries: int) -> None:
         self.num_canaries = num_canaries
-        self.statistics = _state.state_variable(
-            (len(ROWS), num_canaries), "float32", "audit_statistics"
+        buffers = model._audit_buffers
+        self.statistics = buffers.variable(
+            (len(ROWS), num_canaries), key=(audit, "statistics")
         )
-        self.pending = _state.state_variable(
-            (2, num_canaries), "float32", "audit_pending"
+        self.pending = buffers.variable(
+            (2, num_canaries), key=(audit, "pending")
         )
-        track(self.statistics)
-        track(self.pending)
 
 
 def decode(sample_weight: Any) -> tuple[Tensor, Tensor]:

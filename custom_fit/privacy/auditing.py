@@ -37,7 +37,6 @@ from typing import Any
 import keras
 import numpy as np
 
-from custom_fit import _model_state
 from custom_fit import _validation
 from custom_fit import backend
 from custom_fit.privacy import _canaries
@@ -766,9 +765,7 @@ class CanaryAudit(keras.callbacks.Callback):
                 f"model, {model.name!r}. Make a new CanaryAudit for it."
             )
         if self._slot is None:
-            holder = _model_state.state_of(model).holder
-            with backend.current().model_scope(model):
-                self._slot = _canaries.Slot(self.num_canaries, holder.track)
+            self._slot = _canaries.Slot(model, self, self.num_canaries)
         self._audited = model
         return self._slot
 

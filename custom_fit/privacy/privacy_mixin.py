@@ -12,6 +12,7 @@ from custom_fit import _fit_data
 from custom_fit import _keras_model
 from custom_fit import _model_state
 from custom_fit import _options
+from custom_fit import _slots
 from custom_fit import _validation
 from custom_fit import backend
 from custom_fit._types import Gradients
@@ -247,6 +248,9 @@ class DifferentialPrivacyMixin(TrainStepMixin):
     _private_step_count = _options.State((), "int32")
     # The noise's generator: secret unless `noise_seed` is given.
     _noise_seeds = _options.Seeds("noise_seed", secret=True)
+    # A `CanaryAudit`'s statistics and pending sums, one pair per audit
+    # (its canary count known when it is attached).
+    _audit_buffers = _slots.Buffers("float32")
 
     def _configure_options(self, options: dict[str, Any]) -> None:
         """Checks the options.

@@ -256,7 +256,7 @@ class DifferentialPrivacyMixin(TrainStepMixin):
         """Checks the options.
 
         The noise's generator and the step count are declared state, made
-        before (`TrainStepMixin._configure_options`).
+        before (`Configured._configure_options`).
         """
         super()._configure_options(options)
         if self.per_loss_gradients:

@@ -107,8 +107,8 @@ class Slots(_options.State):
         return VariableSlots(instance, self.name, self.slot_dtype)
 
 
-class VariableSlots:
-    """The slots of one `Slots` declaration in one model.
+class _MadeInStep:
+    """What one declaration made so far in one model, made on first use.
 
     Read as `self.<name>` inside the step; not made directly.
     """
@@ -117,9 +117,21 @@ class VariableSlots:
         self._model = model
         self._name = name
         self._dtype = dtype
-        # id of a variable -> (the variable, its slot). The variable is
-        # held, so that its id is not reused.
-        self._made: dict[int, tuple[Variable, Any]] = {}
+        self._made: dict[Any, Any] = {}
+
+    def _listed(self, variable: Any) -> Any:
+        """Lists `variable` in the model's state (a pure step carries it)."""
+        _model_state.state_of(self._model).holder.track(variable)
+        return variable
+
+
+class VariableSlots(_MadeInStep):
+    """The slots of one `Slots` declaration in one model.
+
+    Read as `self.<name>` inside the step; not made directly. Its made
+    slots are kept by the variable's id, with the variable (held, so that
+    its id is not reused).
+    """
 
     def of(self, variables: Sequence[Variable]) -> list[Any]:
         """Returns the slot of each variable, made on first use.
@@ -150,8 +162,7 @@ class VariableSlots:
                     variable.dtype
                 )
                 slot = _state.state_like(variable, dtype, self._name)
-                _model_state.state_of(self._model).holder.track(slot)
-                self._made[key] = (variable, slot)
+                self._made[key] = (variable, self._listed(slot))
             slots.append(self._made[key][1])
         return slots
 
@@ -209,25 +220,19 @@ class Buffers(_options.State):
             "shape the step gives."
         )
 
-    def __repr__(self) -> str:
-        return f"Buffers({self.dtype!r})"
-
     def make(self, instance: object) -> "ShapedBuffers":
         """Returns the (empty) buffers of `instance`."""
         return ShapedBuffers(instance, self.name, self.dtype)
 
+    def __repr__(self) -> str:
+        return f"Buffers({self.dtype!r})"
 
-class ShapedBuffers:
+
+class ShapedBuffers(_MadeInStep):
     """The variables of one `Buffers` declaration in one model.
 
     Read as `self.<name>` inside the step; not made directly.
     """
-
-    def __init__(self, model: Any, name: str, dtype: str) -> None:
-        self._model = model
-        self._name = name
-        self._dtype = dtype
-        self._made: dict[Any, Any] = {}
 
     def variable(self, shape: Sequence[int], key: Any = None) -> Any:
         """Returns the variable under `key`, made of `shape` on first use.
@@ -256,10 +261,11 @@ class ShapedBuffers:
         made = self._made.get(key)
         if made is None:
             with backend.current().model_scope(self._model):
-                made = backend.current().state_variable(
-                    sizes, self._dtype, self._name, False
+                made = self._listed(
+                    backend.current().state_variable(
+                        sizes, self._dtype or "float32", self._name, False
+                    )
                 )
-            _model_state.state_of(self._model).holder.track(made)
             self._made[key] = made
         elif tuple(made.shape) != sizes:
             raise ValueError(

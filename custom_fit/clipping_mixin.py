@@ -249,14 +249,9 @@ class GradientClippingMixin(TrainStepMixin):
         known = _layer_groups.group_names(self, self.layer_depth)
         accepted = known + [self.name] if own_variables else known
         for argument in ("clip_layers", "no_clip_layers"):
-            names = getattr(self, argument)
-            unknown = [name for name in names or () if name not in accepted]
-            if unknown:
-                raise ValueError(
-                    f"`{argument}` names layers that the model does not "
-                    f"have: {unknown}. Received: {argument}={list(names)}. "
-                    f"Use names from `model.layers`: {known}."
-                )
+            _validation.known_names(
+                argument, getattr(self, argument), accepted, "layers"
+            )
         if not self.built or (self.clip_layers, self.no_clip_layers) == (
             None,
             None,

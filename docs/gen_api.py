@@ -40,6 +40,7 @@ def named_module(module):
 # The bases `TrainStepMixin` is made of, by concern, whose public methods
 # are its own (`minimize`, `report_metric`, ...): its page lists them.
 TRAIN_STEP_BASES = (
+    "custom_fit._steps.Steps",
     "custom_fit._configuring.Configured",
     "custom_fit._update.Minimizing",
     "custom_fit._figures.SharedFigures",

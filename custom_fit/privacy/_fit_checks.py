@@ -12,6 +12,7 @@ seeds by where it starts.
 
 import hashlib
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import keras
@@ -640,3 +641,87 @@ def refuse_batch_mixing(model: Any) -> None:
                 "keras.layers.GroupNormalization or "
                 "LayerNormalization instead."
             )
+
+
+def checked_fit(
+    model: Any,
+    fit: Callable[..., Any],
+    arguments: dict[str, Any],
+    run: accounting.TrainingRun,
+    budgets: list[Any],
+    slot: Any,
+) -> Any:
+    """Runs `fit` (Keras') on `arguments`, once `run` is checked.
+
+    Orders the callbacks (the budgets first, the resumed run's keys last),
+    hands the step an audit's `slot` (or `None`), counts the passes begun,
+    and refuses a fit in which the optimizer made more updates than the
+    private mechanism ran.
+
+    Args:
+        model: The `DifferentialPrivacyMixin` model.
+        fit: `keras.Model.fit`, bound to `model`.
+        arguments: `fit`'s arguments, by name.
+        run: The accounted run (`accounted_run`).
+        budgets: The `PrivacyBudget` callbacks among them.
+        slot: An audit's slot, or `None`.
+
+    Returns:
+        The `History`.
+
+    Raises:
+        RuntimeError: If some updates did not go through the private step.
+    """
+    check_microbatches_divide(model, arguments)
+    check_examples_apart(model, arguments)
+    close_open_windows(model)
+    record = _record.of(model)
+    x = arguments.get("x")
+    resumed = ResumedRun(model, x if _fit_data.is_sampler(x) else None)
+    # The budgets first, so that every other callback's logs hold the
+    # epoch's epsilon (they read the steps run when the first epoch
+    # begins, after any restore); the resumed run's keys last, after
+    # the user's (`BackupAndRestore` restores first). A `CallbackList`
+    # is reordered in place (its model is set already).
+    callbacks = arguments.get("callbacks")
+    listed = getattr(callbacks, "callbacks", callbacks) or []
+    ordered = [
+        *budgets,
+        *[c for c in listed if c not in budgets],
+        resumed,
+    ]
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        callbacks.callbacks = ordered
+    else:
+        arguments["callbacks"] = ordered
+    record.run = run
+    started = model.private_steps
+    if slot is not None:
+        # A step records an audit's canaries if traced with it (and
+        # only then: the train function is made again after the fit).
+        model.train_function = None
+    record.audit = slot
+    try:
+        history = fit(**arguments)
+    finally:
+        if slot is not None:
+            record.audit = None
+            model.train_function = None
+        record.noise_drawn = True
+        ran = model.private_steps - started
+        record.passes += accounting.passes_begun(run, ran)
+    if resumed.updates_at_start is not None:
+        # From the updates when training began (restored ones counted).
+        made = int(ops.convert_to_numpy(model.optimizer.iterations))
+        made -= resumed.updates_at_start
+        if made > ran:
+            raise RuntimeError(
+                f"The optimizer made {made} updates in this "
+                f"fit, and the private mechanism ran {ran} times: some "
+                "updates did not go through DifferentialPrivacyMixin's "
+                "step (a step, callback or optimizer of your own "
+                "applied gradients), and the weights are not private. "
+                "Received: those extra updates. Update the weights only "
+                "through the model's step."
+            )
+    return history

@@ -8,7 +8,6 @@ from typing import Any
 import keras
 from keras import ops
 
-from custom_fit import _fit_data
 from custom_fit import _keras_model
 from custom_fit import _model_state
 from custom_fit import _options
@@ -334,71 +333,9 @@ class DifferentialPrivacyMixin(TrainStepMixin):
         run, budgets = _fit_checks.accounted_run(self, arguments)
         audit = auditing.audit_of_fit(self, arguments)
         with auditing.feeding(audit, self) as slot:
-            return self._checked_fit(arguments, run, budgets, slot)
-
-    def _checked_fit(
-        self,
-        arguments: dict[str, Any],
-        run: accounting.TrainingRun,
-        budgets: list[Any],
-        slot: Any,
-    ) -> Any:
-        """`fit`, once `run` is checked; `slot`: an audit's, or `None`."""
-        _fit_checks.check_microbatches_divide(self, arguments)
-        _fit_checks.check_examples_apart(self, arguments)
-        _fit_checks.close_open_windows(self)
-        record = _record.of(self)
-        x = arguments.get("x")
-        resumed = _fit_checks.ResumedRun(
-            self, x if _fit_data.is_sampler(x) else None
-        )
-        # The budgets first, so that every other callback's logs hold the
-        # epoch's epsilon (they read the steps run when the first epoch
-        # begins, after any restore); the resumed run's keys last, after
-        # the user's (`BackupAndRestore` restores first). A `CallbackList`
-        # is reordered in place (its model is set already).
-        callbacks = arguments.get("callbacks")
-        listed = getattr(callbacks, "callbacks", callbacks) or []
-        ordered = [
-            *budgets,
-            *[c for c in listed if c not in budgets],
-            resumed,
-        ]
-        if isinstance(callbacks, keras.callbacks.CallbackList):
-            callbacks.callbacks = ordered
-        else:
-            arguments["callbacks"] = ordered
-        record.run = run
-        started = self.private_steps
-        if slot is not None:
-            # A step records an audit's canaries if traced with it (and
-            # only then: the train function is made again after the fit).
-            self.train_function = None
-        record.audit = slot
-        try:
-            history = super().fit(**arguments)
-        finally:
-            if slot is not None:
-                record.audit = None
-                self.train_function = None
-            record.noise_drawn = True
-            ran = self.private_steps - started
-            record.passes += accounting.passes_begun(run, ran)
-        if resumed.updates_at_start is not None:
-            # From the updates when training began (restored ones counted).
-            made = int(ops.convert_to_numpy(self.optimizer.iterations))
-            made -= resumed.updates_at_start
-            if made > ran:
-                raise RuntimeError(
-                    f"The optimizer made {made} updates in this "
-                    f"fit, and the private mechanism ran {ran} times: some "
-                    "updates did not go through DifferentialPrivacyMixin's "
-                    "step (a step, callback or optimizer of your own "
-                    "applied gradients), and the weights are not private. "
-                    "Received: those extra updates. Update the weights only "
-                    "through the model's step."
-                )
-        return history
+            return _fit_checks.checked_fit(
+                self, super().fit, arguments, run, budgets, slot
+            )
 
     def train_on_batch(self, *args: Any, **kwargs: Any) -> Any:
         """Refused: a private model trains with `fit`.

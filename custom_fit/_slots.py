@@ -104,7 +104,7 @@ class Slots(_options.State):
 
     def make(self, instance: object) -> "VariableSlots":
         """Returns the (empty) slots of `instance`."""
-        return VariableSlots(instance, self.name, self.slot_dtype)
+        return VariableSlots(instance, self.name, self.slot_dtype, self.saved)
 
 
 class _MadeInStep:
@@ -129,18 +129,31 @@ class VariableSlots(_MadeInStep):
     """The slots of one `Slots` declaration in one model.
 
     Read as `self.<name>` inside the step; not made directly. Its made
-    slots are kept by the variable's id, with the variable (held, so that
-    its id is not reused).
+    slots are kept by key and the variable's id, with the variable (held,
+    so that its id is not reused).
     """
 
-    def of(self, variables: Sequence[Variable]) -> list[Any]:
+    def __init__(
+        self, model: Any, name: str, dtype: str | None, saved: bool
+    ) -> None:
+        super().__init__(model, name, dtype)
+        self._saved = saved
+
+    def of(self, variables: Sequence[Variable], key: Any = None) -> list[Any]:
         """Returns the slot of each variable, made on first use.
 
         Args:
             variables: List of the variables (as the hooks receive them).
+            key: Optional hashable: slots under another key are others
+                (one set per call site that needs its own). Defaults to
+                `None`. Saved slots take no key.
 
         Returns:
             A list of state variables aligned with `variables`.
+
+        Raises:
+            ValueError: if `variables` is not a list of variables, or a
+                key is given for slots declared `saved=True`.
         """
         if isinstance(variables, (str, bytes)) or not isinstance(
             variables, Sequence
@@ -149,10 +162,15 @@ class VariableSlots(_MadeInStep):
                 f"`{self._name}.of(variables)` takes a list of variables, "
                 f"as the hooks receive them. Received: variables={variables!r}."
             )
+        if key is not None and self._saved:
+            raise ValueError(
+                f"The slots `{self._name}` are saved with the weights, one "
+                f"per variable: they take no key. Received: key={key!r}."
+            )
         slots = []
         for variable in variables:
-            key = id(variable)
-            if key not in self._made:
+            made = (key, id(variable))
+            if made not in self._made:
                 if not all(hasattr(variable, a) for a in ("shape", "dtype")):
                     raise ValueError(
                         f"`{self._name}.of(variables)` takes variables. "
@@ -162,13 +180,15 @@ class VariableSlots(_MadeInStep):
                     variable.dtype
                 )
                 slot = _state.state_like(variable, dtype, self._name)
-                self._made[key] = (variable, self._listed(slot))
-            slots.append(self._made[key][1])
+                self._made[made] = (variable, self._listed(slot))
+            slots.append(self._made[made][1])
         return slots
 
-    def items(self) -> Iterator[tuple[Variable, Any]]:
-        """Yields `(variable, slot)` for each slot made so far."""
-        yield from self._made.values()
+    def items(self, key: Any = None) -> Iterator[tuple[Variable, Any]]:
+        """Yields `(variable, slot)` for each slot made so far under `key`."""
+        for (under, _), pair in self._made.items():
+            if under == key:
+                yield pair
 
 
 class Buffers(_options.State):

@@ -321,10 +321,12 @@ def _accumulator(
     accumulators = _model_state.state_of(model).accumulators
     key = tuple(id(variable) for variable in variables)
     if key not in accumulators:
+        # Its state is the model's declared state, per set of variables.
         accumulators[key] = accumulation.GradientAccumulator(
             variables,
             model.gradient_accumulation_steps,
-            track=_model_state.state_of(model).holder.track,
+            sums=model._gradient_sums.of(variables, key=key),
+            count=model._accumulation_counts.variable((), key=key),
         )
     return accumulators[key]
 

@@ -42,6 +42,12 @@ class GradientAccumulator:
         steps: Integer >= 2, the number of micro-batches per update.
         track: Optional callable receiving each state variable made, so
             that the model's state lists it (see `custom_fit._state`).
+        sums: Optional list of zero variables, one per variable, of its
+            shape (and layout): the running sums, made elsewhere (a
+            mixin's declared `options.Slots`). Defaults to `None`: made
+            here.
+        count: Optional int32 scalar variable, zero: the count of calls,
+            made elsewhere. Defaults to `None`: made here.
 
     Example:
 
@@ -58,20 +64,39 @@ class GradientAccumulator:
         variables: Sequence[Variable],
         steps: int,
         track: Callable[[Variable], None] | None = None,
+        *,
+        sums: Sequence[Variable] | None = None,
+        count: Variable | None = None,
     ) -> None:
         self.steps = steps
-        self.count = _state.state_variable((), "int32", "count")
-        self.sums = [
-            _state.state_like(
-                variable,
-                keras.backend.standardize_dtype(variable.dtype),
-                "gradient_sum",
+        made = []
+        if count is None:
+            count = _state.state_variable((), "int32", "count")
+            made.append(count)
+        if sums is None:
+            sums = [
+                _state.state_like(
+                    variable,
+                    keras.backend.standardize_dtype(variable.dtype),
+                    "gradient_sum",
+                )
+                for variable in variables
+            ]
+            made.extend(sums)
+        elif len(sums) != len(variables) or any(
+            tuple(a.shape) != tuple(v.shape) for a, v in zip(sums, variables)
+        ):
+            raise ValueError(
+                "`sums` holds one variable per variable, of its shape. "
+                f"Received: {len(sums)} sums of shapes "
+                f"{[tuple(a.shape) for a in sums]} for variables of shapes "
+                f"{[tuple(v.shape) for v in variables]}."
             )
-            for variable in variables
-        ]
-        for made in (self.count, *self.sums):
-            if track is not None:
-                track(made)
+        self.count = count
+        self.sums = list(sums)
+        if track is not None:
+            for variable in made:
+                track(variable)
 
     def accumulate(
         self, gradients: Sequence[Gradient], frozen: Tensor | None = None

@@ -15,6 +15,7 @@ from custom_fit import _layer_groups
 from custom_fit import _options
 from custom_fit import _per_loss
 from custom_fit import _reporting
+from custom_fit import _slots
 from custom_fit import _step_checks
 from custom_fit import _steps
 from custom_fit import _update
@@ -239,6 +240,12 @@ class TrainStepMixin(
     )
     _gradient_norm_count = _options.State(
         (), "int32", requires=("skip_gradient_norm_ratio_above",)
+    )
+    # Accumulation's running sums and count of calls, per set of variables
+    # (`accumulation.GradientAccumulator`).
+    _gradient_sums = _slots.Slots(requires=("gradient_accumulation_steps",))
+    _accumulation_counts = _slots.Buffers(
+        "int32", requires=("gradient_accumulation_steps",)
     )
 
     def __init_subclass__(cls, **kwargs: Any) -> None:

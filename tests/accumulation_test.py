@@ -161,3 +161,57 @@ class AccumulationTest(testing.TestCase):
     def test_invalid_steps_raise(self, value):
         with self.assertRaisesRegex(ValueError, r"gradient_accumulation_steps"):
             testing.mlp(Net, gradient_accumulation_steps=value)
+
+
+class GradientAccumulatorTest(testing.TestCase):
+    def test_means_in_given_or_own_state_equal_numpy(self):
+        """The public accumulator, with its own state or with sums and a
+        count made elsewhere (as the mixin hands it its declared slots):
+        every third call is an update whose mean is NumPy's mean of the
+        three gradients; the given variables hold the running sums."""
+        rng = np.random.default_rng(0)
+        shapes = [(3, 2), (2,)]
+        variables = [keras.Variable(np.zeros(s, "float32")) for s in shapes]
+        batches = [
+            [rng.normal(size=s).astype("float32") for s in shapes]
+            for _ in range(6)
+        ]
+        sums = [
+            keras.Variable(np.zeros(s, "float32"), trainable=False)
+            for s in shapes
+        ]
+        count = keras.Variable(0, dtype="int32", trainable=False)
+        for given in (False, True):
+            made = []
+            accumulator = custom_fit.accumulation.GradientAccumulator(
+                variables,
+                3,
+                track=made.append,
+                **(dict(sums=sums, count=count) if given else {}),
+            )
+            self.assertLen(made, 0 if given else 3)
+            for call, gradients in enumerate(batches):
+                means, is_update = accumulator.accumulate(
+                    [keras.ops.convert_to_tensor(g) for g in gradients]
+                )
+                self.assertEqual(
+                    bool(testing.to_numpy(is_update)), call % 3 == 2
+                )
+                window = batches[call - call % 3 : call + 1]
+                if call % 3 == 2:
+                    for mean, parts in zip(means, zip(*window)):
+                        self.assertAllClose(
+                            testing.to_numpy(mean), np.mean(parts, axis=0)
+                        )
+                elif given:
+                    for total, parts in zip(sums, zip(*window)):
+                        self.assertAllClose(
+                            testing.to_numpy(total), np.sum(parts, axis=0)
+                        )
+
+    def test_given_sums_must_fit_the_variables(self):
+        variables = [keras.Variable(np.zeros((3, 2), "float32"))]
+        with self.assertRaisesRegex(ValueError, r"shapes \[\(2,\)\]"):
+            custom_fit.accumulation.GradientAccumulator(
+                variables, 2, sums=[keras.Variable(np.zeros(2, "float32"))]
+            )

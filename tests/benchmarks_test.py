@@ -14,6 +14,24 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class BenchmarkSmokeTest(testing.TestCase):
+    def run_benchmark(self, script, *flags):
+        """Runs `benchmarks/<script>` on this backend with `flags`, asserts
+        that it succeeds, and returns what it printed."""
+        result = subprocess.run(
+            [
+                sys.executable,
+                os.path.join(_ROOT, "benchmarks", script),
+                f"--backends={testing.BACKEND}",
+                *flags,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
+        )
+        self.assertEqual(result.returncode, 0, result.stderr[-3000:])
+        return result.stdout
+
     def test_entry_point_prints_a_table(self):
         """A two-step run on this backend prints one row per configuration,
         and the summary against the targets; on JAX with memory (a process
@@ -22,28 +40,19 @@ class BenchmarkSmokeTest(testing.TestCase):
         Keras and custom_fit: 6.5 s on JAX, 11-13 s on TensorFlow and
         PyTorch)."""
         memory = testing.BACKEND == "jax"
-        result = subprocess.run(
-            [
-                sys.executable,
-                os.path.join(_ROOT, "benchmarks", "train_step_overhead.py"),
-                f"--backends={testing.BACKEND}",
-                "--workloads=mlp",
-                "--rounds=1",
-                "--steps=2",
-                "--steps_per_execution=1",
-                # On PyTorch eager: compiling costs seconds per model.
-                "--jit_compile="
-                + ("false" if testing.BACKEND == "torch" else "true"),
-                "--configurations=keras,stacked",
-                *(["--memory"] if memory else []),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=600,
-            check=False,
+        stdout = self.run_benchmark(
+            "train_step_overhead.py",
+            "--workloads=mlp",
+            "--rounds=1",
+            "--steps=2",
+            "--steps_per_execution=1",
+            # On PyTorch eager: compiling costs seconds per model.
+            "--jit_compile="
+            + ("false" if testing.BACKEND == "torch" else "true"),
+            "--configurations=keras,stacked",
+            *(["--memory"] if memory else []),
         )
-        self.assertEqual(result.returncode, 0, result.stderr[-3000:])
-        setting, summary = result.stdout.split(f"## {testing.BACKEND} summary")
+        setting, summary = stdout.split(f"## {testing.BACKEND} summary")
         rows = [
             [cell.strip() for cell in line.split("|")]
             for line in setting.splitlines()
@@ -69,27 +78,18 @@ class BenchmarkSmokeTest(testing.TestCase):
             self.skipTest("run on PyTorch, which compiles nothing")
         testing.import_keras_hub()
         output = os.path.join(tempfile.mkdtemp(), "gpu.json")
-        result = subprocess.run(
-            [
-                sys.executable,
-                os.path.join(_ROOT, "benchmarks", "gpu_step.py"),
-                f"--backends={testing.BACKEND}",
-                "--size=tiny",
-                "--configurations=keras,guarded_stack",
-                "--steps=3",
-                "--rounds=1",
-                "--warmup=1",
-                f"--output={output}",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=600,
-            check=False,
+        stdout = self.run_benchmark(
+            "gpu_step.py",
+            "--size=tiny",
+            "--configurations=keras,guarded_stack",
+            "--steps=3",
+            "--rounds=1",
+            "--warmup=1",
+            f"--output={output}",
         )
-        self.assertEqual(result.returncode, 0, result.stderr[-3000:])
         rows = [
             [cell.strip() for cell in line.strip("|").split("|")]
-            for line in result.stdout.splitlines()
+            for line in stdout.splitlines()
             if line.startswith("| ") and "configuration" not in line
         ]
         self.assertEqual([row[0] for row in rows], ["keras", "guarded_stack"])

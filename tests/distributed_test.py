@@ -39,6 +39,18 @@ def train(model_class, strategy, optimizer_kwargs, x, y, **model_kwargs):
     return model, history.history
 
 
+def guarded_model():
+    """Builds the test MLP with `skip_nonfinite=True`, compiled with Adam
+    and its optimizer built: in the scope of the caller's distribution."""
+    model = testing.mlp(Net, skip_nonfinite=True)
+    model.compile(
+        optimizer=keras.optimizers.Adam(0.1),
+        loss=testing.sparse_crossentropy(),
+    )
+    model.optimizer.build(model.trainable_variables)
+    return model
+
+
 def max_difference(model_a, model_b):
     return testing.max_difference(model_a.get_weights(), model_b.get_weights())
 
@@ -113,12 +125,7 @@ class MirroredSkipNonfiniteTest(testing.TestCase):
         x, y = testing.classification_data(samples=16)
         x[-1, 0] = np.nan  # in the second half: the second replica's share
         with mirrored().scope():
-            model = testing.mlp(Net, skip_nonfinite=True)
-            model.compile(
-                optimizer=keras.optimizers.Adam(0.1),
-                loss=testing.sparse_crossentropy(),
-            )
-            model.optimizer.build(model.trainable_variables)
+            model = guarded_model()
         weights = model.get_weights()
         optimizer_state = [v.numpy() for v in model.optimizer.variables]
         history = model.fit(x, y, batch_size=16, verbose=0, shuffle=False)
@@ -234,12 +241,7 @@ class DataParallelSkipNonfiniteTest(DataParallelTestCase):
         x, y = testing.classification_data(samples=16)
         x[-1, 0] = np.nan  # in the second half: the second device's shard
         with testing.data_parallel():
-            model = testing.mlp(Net, skip_nonfinite=True)
-            model.compile(
-                optimizer=keras.optimizers.Adam(0.1),
-                loss=testing.sparse_crossentropy(),
-            )
-            model.optimizer.build(model.trainable_variables)
+            model = guarded_model()
             weights = model.get_weights()
             optimizer_state = [
                 testing.to_numpy(v) for v in model.optimizer.variables

@@ -259,22 +259,21 @@ class TinyGAN(custom_fit.TrainStepMixin, keras.Model):
         return self.get_metrics_result()
 
 
+def one_dense(network_class, width, units, seed):
+    """A `network_class` of one Dense layer of `units`, its kernel seeded
+    by `seed`, on inputs of shape `(width,)`."""
+    inputs = keras.Input((width,))
+    initializer = keras.initializers.GlorotUniform(seed)
+    return network_class(
+        inputs,
+        keras.layers.Dense(units, kernel_initializer=initializer)(inputs),
+    )
+
+
 def tiny_gan(variant="full", generator_class=Network):
     """Builds, compiles and fits a TinyGAN on fixed data; returns it."""
-    noise = keras.Input((4,))
-    generator = generator_class(
-        noise,
-        keras.layers.Dense(
-            8, kernel_initializer=keras.initializers.GlorotUniform(1)
-        )(noise),
-    )
-    image = keras.Input((8,))
-    discriminator = Network(
-        image,
-        keras.layers.Dense(
-            1, kernel_initializer=keras.initializers.GlorotUniform(2)
-        )(image),
-    )
+    generator = one_dense(generator_class, 4, 8, seed=1)
+    discriminator = one_dense(Network, 8, 1, seed=2)
     gan = TinyGAN(generator, discriminator, variant)
     gan.compile(keras.optimizers.Adam(1e-2), keras.optimizers.Adam(1e-2))
     data = np.random.RandomState(0).rand(16, 8).astype("float32")

@@ -53,6 +53,10 @@ class Stacked(
 
 
 STACK_OPTIONS = dict(sam_rho=0.05, global_clipnorm=0.5, l2=1e-2)
+# The stack with the guard and gradient accumulation.
+GUARDED_STACK = dict(
+    skip_nonfinite=True, gradient_accumulation_steps=STEPS, **STACK_OPTIONS
+)
 
 # name, model class, options
 CASES = (
@@ -172,15 +176,10 @@ class GuardedAccumulationTest(testing.TestCase):
         if testing.BACKEND not in ("tensorflow", "jax"):
             pytest.skip("no multi-device training on this backend")
         x, y, _, _ = data()
-        options = dict(
-            skip_nonfinite=True,
-            gradient_accumulation_steps=STEPS,
-            **STACK_OPTIONS,
-        )
-        single = build(Stacked, **options)
+        single = build(Stacked, **GUARDED_STACK)
         train(single, x, y)
         with testing.two_devices():
-            model = build(Stacked, **options)
+            model = build(Stacked, **GUARDED_STACK)
             history = train(model, x, y)
         self.assertAllClose(
             model.get_weights(), single.get_weights(), atol=1e-5
@@ -191,12 +190,7 @@ class GuardedAccumulationTest(testing.TestCase):
         """A saved and loaded stacked model goes on training as the
         original does."""
         x, y, _, _ = data()
-        options = dict(
-            skip_nonfinite=True,
-            gradient_accumulation_steps=STEPS,
-            **STACK_OPTIONS,
-        )
-        model = build(Stacked, **options)
+        model = build(Stacked, **GUARDED_STACK)
         train(model, x, y)
         path = os.path.join(tempfile.mkdtemp(), "stacked.keras")
         model.save(path)

@@ -115,29 +115,25 @@ def epoch_means(figures, key, epochs=2):
     ]
 
 
+def encoder_dense(units, seed, name):
+    """A ReLU Dense layer of `units` named `name`, its kernel and bias
+    initializers seeded by `seed`."""
+    return keras.layers.Dense(
+        units,
+        activation="relu",
+        kernel_initializer=keras.initializers.GlorotUniform(seed=seed),
+        bias_initializer=keras.initializers.RandomNormal(0.0, 0.1, seed=seed),
+        name=name,
+    )
+
+
 def nested_model(model_class=keras.Model, **kwargs):
     """A `keras.Sequential` encoder (d1, d2) used as a layer, then `head`."""
     encoder = keras.Sequential(
         [
             keras.Input((4,)),
-            keras.layers.Dense(
-                8,
-                activation="relu",
-                kernel_initializer=keras.initializers.GlorotUniform(seed=1),
-                bias_initializer=keras.initializers.RandomNormal(
-                    0.0, 0.1, seed=1
-                ),
-                name="d1",
-            ),
-            keras.layers.Dense(
-                6,
-                activation="relu",
-                kernel_initializer=keras.initializers.GlorotUniform(seed=2),
-                bias_initializer=keras.initializers.RandomNormal(
-                    0.0, 0.1, seed=2
-                ),
-                name="d2",
-            ),
+            encoder_dense(8, seed=1, name="d1"),
+            encoder_dense(6, seed=2, name="d2"),
         ],
         name="encoder",
     )
@@ -148,6 +144,12 @@ def nested_model(model_class=keras.Model, **kwargs):
         name="head",
     )(encoder(inputs))
     return model_class(inputs, outputs, **kwargs)
+
+
+def layer_clipped(bound, **kwargs):
+    """`nested_model` of `Clipped`, with `layer_clipnorm=bound` and
+    `layer_depth=2` (the encoder's layers clipped apart) and `kwargs`."""
+    return nested_model(Clipped, layer_clipnorm=bound, layer_depth=2, **kwargs)
 
 
 NESTED_LAYERS = {
@@ -340,7 +342,7 @@ class LayerDepthTest(testing.TestCase):
         groups = [
             name for name, indices in NESTED_LAYERS.items() for _ in indices
         ]
-        model = nested_model(Clipped, layer_clipnorm=bound, layer_depth=2)
+        model = layer_clipped(bound)
         fit(compiled(model, **mode), x, y)
 
         def clip(grads):
@@ -372,12 +374,7 @@ class LayerDepthTest(testing.TestCase):
         """clip_layers=["encoder/d1"] clips only that nested layer."""
         x, y = testing.classification_data()
         bound = 0.1
-        model = nested_model(
-            Clipped,
-            layer_clipnorm=bound,
-            layer_depth=2,
-            clip_layers=["encoder/d1"],
-        )
+        model = layer_clipped(bound, clip_layers=["encoder/d1"])
         fit(compiled(model), x, y)
 
         oracle = nested_model()
@@ -399,12 +396,7 @@ class LayerDepthTest(testing.TestCase):
         """
         x, y = testing.classification_data()
         bound = 0.1
-        model = nested_model(
-            Clipped,
-            layer_clipnorm=bound,
-            layer_depth=2,
-            clip_layers=["encoder/d1", "encoder/d2"],
-        )
+        model = layer_clipped(bound, clip_layers=["encoder/d1", "encoder/d2"])
         model.get_layer("encoder").get_layer("d2").trainable = False
         fit(compiled(model), x, y)
 
@@ -423,9 +415,7 @@ class LayerDepthTest(testing.TestCase):
     def test_clip_layers_that_name_only_frozen_layers_are_refused(self):
         """Clipping only frozen layers would clip nothing: refused by name."""
         x, y = testing.classification_data()
-        model = nested_model(
-            Clipped, layer_clipnorm=0.1, layer_depth=2, clip_layers=["encoder"]
-        )
+        model = layer_clipped(0.1, clip_layers=["encoder"])
         model.get_layer("encoder").trainable = False
         compiled(model)
         before = model.get_weights()
@@ -437,12 +427,7 @@ class LayerDepthTest(testing.TestCase):
             fit(model, x, y)
         self.assertEqual(testing.max_difference(model.get_weights(), before), 0)
         # Leaving out every layer that trains clips nothing either.
-        leaves_out = nested_model(
-            Clipped,
-            layer_clipnorm=0.1,
-            layer_depth=2,
-            no_clip_layers=["encoder/d1", "head"],
-        )
+        leaves_out = layer_clipped(0.1, no_clip_layers=["encoder/d1", "head"])
         leaves_out.get_layer("encoder").get_layer("d2").trainable = False
         compiled(leaves_out)
         with self.assertRaisesRegex(

@@ -88,17 +88,23 @@ class OptionInTrainingCallTest(testing.TestCase):
     neither the option nor the fix; from `fit` on TensorFlow, not even the
     function)."""
 
+    def assertCompileRefused(self, message, **options):
+        """Asserts that compiling a new `Net` with `options` raises a
+        `TypeError` matching `message`; returns the model."""
+        model = testing.mlp(Net)
+        with self.assertRaisesRegex(TypeError, message):
+            model.compile(optimizer="sgd", loss="mse", **options)
+        return model
+
     def test_option_in_compile_names_the_constructor_call(self):
         """`compile(global_clipnorm=1.0)` is refused, and the model is not
         compiled (a refused call changes nothing)."""
-        model = testing.mlp(Net)
-        with self.assertRaisesRegex(
-            TypeError,
+        model = self.assertCompileRefused(
             r"`global_clipnorm` is an option of Net.*not an argument of "
             r"`compile\(\)`.*Received: compile\(global_clipnorm=1\.0\).*"
             r"Net\(inputs, outputs, global_clipnorm=1\.0\)",
-        ):
-            model.compile(optimizer="sgd", loss="mse", global_clipnorm=1.0)
+            global_clipnorm=1.0,
+        )
         self.assertFalse(model.compiled)
 
     @parameterized.named_parameters(("fit", "fit"), ("evaluate", "evaluate"))
@@ -121,14 +127,12 @@ class OptionInTrainingCallTest(testing.TestCase):
     def test_option_of_a_missing_mixin_names_the_mixin(self):
         """An option of a mixin the model lacks (`l2_norm_clip`, of the DP
         mixin) says which mixin to add, then the constructor call."""
-        model = testing.mlp(Net)
-        with self.assertRaisesRegex(
-            TypeError,
+        self.assertCompileRefused(
             r"`l2_norm_clip` is an option of "
             r"custom_fit\.DifferentialPrivacyMixin.*Net does not have it "
             r"among its bases.*Net\(inputs, outputs, l2_norm_clip=1\.0\)",
-        ):
-            model.compile(optimizer="sgd", loss="mse", l2_norm_clip=1.0)
+            l2_norm_clip=1.0,
+        )
 
     def test_private_fit_refuses_it_too(self):
         """The DP mixin's own `fit` takes the same path."""

@@ -344,6 +344,19 @@ class PenaltiesAsTasksTest(testing.TestCase):
             for v in model.trainable_variables
         ]
 
+    def regularized(self, per_loss_gradients):
+        """A compiled `RegularizedPCGradNet` on tasks b and c, with an l2
+        penalty of `L2` and the given `per_loss_gradients`."""
+        return compiled(
+            multi_task_model(
+                RegularizedPCGradNet,
+                tasks=("b", "c"),
+                l2=self.L2,
+                per_loss_gradients=per_loss_gradients,
+            ),
+            tasks=("b", "c"),
+        )
+
     def test_penalty_is_its_own_task(self):
         """With outputs_and_penalties the l2 penalty is a projected task."""
         x, y = multi_task_data(tasks=("b", "c"))
@@ -354,15 +367,7 @@ class PenaltiesAsTasksTest(testing.TestCase):
         grads = [task_gradients(oracle, x, y, name) for name in "bc"]
         penalty = self.l2_gradient(oracle)
 
-        as_task = compiled(
-            multi_task_model(
-                RegularizedPCGradNet,
-                tasks=("b", "c"),
-                l2=self.L2,
-                per_loss_gradients="outputs_and_penalties",
-            ),
-            tasks=("b", "c"),
-        )
+        as_task = self.regularized("outputs_and_penalties")
         fit(as_task, x, y, batch_size=len(x))
         order = as_task.task_order
         self.assertEqual(sorted(order), [0, 1, 2])
@@ -370,15 +375,7 @@ class PenaltiesAsTasksTest(testing.TestCase):
         sgd_step(oracle, expected)
         self.assertWeightsClose(as_task, oracle, atol=2e-6)
 
-        apart = compiled(
-            multi_task_model(
-                RegularizedPCGradNet,
-                tasks=("b", "c"),
-                l2=self.L2,
-                per_loss_gradients="outputs",
-            ),
-            tasks=("b", "c"),
-        )
+        apart = self.regularized("outputs")
         history = fit(apart, x, y, batch_size=len(x))
         self.assertEqual(sorted(apart.task_order), [0, 1])
         unprojected = [

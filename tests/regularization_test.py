@@ -544,25 +544,19 @@ class BadInputTest(testing.TestCase):
             lambda y_pred: {"t": "abc"},
             "term 't'.*t='abc' of dtype string",
         ),
-        (
-            "grad_norm_name",
-            lambda y_pred: {"grad_norm": 1.0},
-            "invalid name.*'grad_norm'",
-        ),
-        (
-            "grad_norm_clipped_name",
-            lambda y_pred: {"grad_norm_clipped": 1.0},
-            "invalid name.*'grad_norm_clipped'",
-        ),
-        (
-            "skipped_steps_name",
-            lambda y_pred: {"skipped_steps": 1.0},
-            "invalid name.*'skipped_steps'",
-        ),
-        (
-            "clip_rate_name",
-            lambda y_pred: {"clip_rate": 1.0},
-            "invalid name.*'clip_rate'",
+        # The names of the metrics the library reports.
+        *(
+            (
+                f"{name}_name",
+                lambda y_pred, name=name: {name: 1.0},
+                f"invalid name.*'{name}'",
+            )
+            for name in (
+                "grad_norm",
+                "grad_norm_clipped",
+                "skipped_steps",
+                "clip_rate",
+            )
         ),
     )
     def test_bad_hook_output_raises(self, make_terms, message):
@@ -732,6 +726,14 @@ def wgan_gp_oracle(model, real, fake, alpha, gp_weight, l2, learning_rate):
     return weights, float(gp), float(l2_term)
 
 
+# name, run_eagerly, jit_compile: the steps a critic is updated in.
+CRITIC_MODES = (
+    ("eager", True, False),
+    ("graph_fn", False, False),
+    *([("jit", False, True)] if testing.BACKEND != "torch" else []),
+)
+
+
 class CriticCase(testing.TestCase):
     """Trains a penalized critic through `CriticTrainer` against the
     oracle."""
@@ -771,11 +773,7 @@ class CriticCase(testing.TestCase):
 
 
 class NetworkPenaltyTest(CriticCase):
-    @parameterized.named_parameters(
-        ("eager", True, False),
-        ("graph_fn", False, False),
-        *([("jit", False, True)] if testing.BACKEND != "torch" else []),
-    )
+    @parameterized.named_parameters(*CRITIC_MODES)
     def test_critic_penalties_through_minimize_equal_hand_written(
         self, run_eagerly, jit_compile
     ):
@@ -866,11 +864,7 @@ class NetworkPenaltyTest(CriticCase):
 
 @pytest.mark.tensorflow
 class TapeNetworkPenaltyTest(CriticCase):
-    @parameterized.named_parameters(
-        ("eager", True, False),
-        ("graph_fn", False, False),
-        *([("jit", False, True)] if testing.BACKEND != "torch" else []),
-    )
+    @parameterized.named_parameters(*CRITIC_MODES)
     def test_critic_penalties_through_tape_minimize(
         self, run_eagerly, jit_compile
     ):

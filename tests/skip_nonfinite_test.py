@@ -244,6 +244,22 @@ class Reporting(custom_fit.GradientInspectionMixin, keras.Model):
 
 
 class SkippedStepMetricsTest(testing.TestCase):
+    def assertMetricsOfCleanData(self, model, data, clean_data, batch_size):
+        """Fits `model` on `data` and a new `Reporting` MLP (no guard) on
+        `clean_data`, unshuffled; asserts that both log the same accuracy,
+        loss, grad_norm and prediction_mean, and returns `model`'s History
+        dict."""
+        history = model.fit(
+            *data, batch_size=batch_size, verbose=0, shuffle=False
+        ).history
+        oracle = compiled(testing.mlp(Reporting), metrics=["accuracy"])
+        expected = oracle.fit(
+            *clean_data, batch_size=batch_size, verbose=0, shuffle=False
+        ).history
+        for key in ("accuracy", "loss", "grad_norm", "prediction_mean"):
+            self.assertAllClose(history[key], expected[key], rtol=1e-5)
+        return history
+
     @parameterized.named_parameters(*testing.EXECUTION_MODES)
     def test_skipped_step_updates_no_metric(self, mode):
         """One clean and one NaN batch log the metrics of the clean batch
@@ -255,16 +271,10 @@ class SkippedStepMetricsTest(testing.TestCase):
             metrics=["accuracy"],
             **mode,
         )
-        history = model.fit(
-            x, y, batch_size=8, verbose=0, shuffle=False
-        ).history
-        oracle = compiled(testing.mlp(Reporting), metrics=["accuracy"])
-        expected = oracle.fit(
-            x_clean, y_clean, batch_size=8, verbose=0, shuffle=False
-        ).history
+        history = self.assertMetricsOfCleanData(
+            model, (x, y), (x_clean, y_clean), batch_size=8
+        )
         self.assertEqual(history["skipped_steps"], [1.0])
-        for key in ("accuracy", "loss", "grad_norm", "prediction_mean"):
-            self.assertAllClose(history[key], expected[key], rtol=1e-5)
 
     def test_skipped_step_leaves_per_output_losses_alone(self):
         """Keras' per-output loss metrics skip the NaN batch too."""
@@ -308,12 +318,6 @@ class SkippedStepMetricsTest(testing.TestCase):
                 testing.mlp(Reporting, skip_nonfinite=True),
                 metrics=["accuracy"],
             )
-        history = model.fit(
-            x, y, batch_size=16, verbose=0, shuffle=False
-        ).history
-        oracle = compiled(testing.mlp(Reporting), metrics=["accuracy"])
-        expected = oracle.fit(
-            x_clean, y_clean, batch_size=16, verbose=0, shuffle=False
-        ).history
-        for key in ("accuracy", "loss", "grad_norm", "prediction_mean"):
-            self.assertAllClose(history[key], expected[key], rtol=1e-5)
+        self.assertMetricsOfCleanData(
+            model, (x, y), (x_clean, y_clean), batch_size=16
+        )

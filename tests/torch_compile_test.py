@@ -204,6 +204,14 @@ def fitted(build, outputs, jit_compile):
 
 @pytest.mark.torch
 class TorchCompileTest(testing.TestCase):
+    def assertEachClose(self, actual, expected, tolerance):
+        """Asserts each value of `expected` close to `actual`'s under its
+        key, `tolerance` both the absolute and the relative bound."""
+        for key, value in expected.items():
+            self.assertAllClose(
+                actual[key], value, atol=tolerance, rtol=tolerance, msg=key
+            )
+
     @parameterized.named_parameters(*CONFIGURATIONS)
     def test_compiled_equals_eager(self, build, outputs):
         """Weights, History, `evaluate` and `predict` with
@@ -228,14 +236,9 @@ class TorchCompileTest(testing.TestCase):
             eager["model"], *_inputs(outputs)
         )
         self.assertEqual(sorted(compiled["history"]), sorted(eager["history"]))
-        for key, values in eager["history"].items():
-            self.assertAllClose(
-                compiled["history"][key],
-                values,
-                atol=log_tolerance,
-                rtol=log_tolerance,
-                msg=key,
-            )
+        self.assertEachClose(
+            compiled["history"], eager["history"], log_tolerance
+        )
         # `evaluate` and `predict` against the eager model given the
         # compiled one's weights: the same function, so the forward's bound
         # alone, whatever the weights' differences.
@@ -244,14 +247,7 @@ class TorchCompileTest(testing.TestCase):
         expected = eager["model"].evaluate(
             x, labels, verbose=0, return_dict=True
         )
-        for key, value in expected.items():
-            self.assertAllClose(
-                compiled["evaluate"][key],
-                value,
-                atol=FORWARD_TOLERANCE,
-                rtol=FORWARD_TOLERANCE,
-                msg=key,
-            )
+        self.assertEachClose(compiled["evaluate"], expected, FORWARD_TOLERANCE)
         self.assertAllClose(
             compiled["predict"],
             eager["model"].predict(x, verbose=0),

@@ -634,14 +634,27 @@ class SlotsTest(testing.TestCase):
     step and, with `saved=True`, saved and loaded as Keras saves the
     optimizer's."""
 
-    def fit(self, model, x, y, mode=None, momentum=0.0, epochs=1):
+    def fit(
+        self, model, x, y, mode=None, momentum=0.0, epochs=1, callbacks=None
+    ):
+        """Compiles `model` with `SGD(0.1, momentum=momentum)` unless it is
+        compiled already, then fits it in unshuffled batches of 8; returns
+        it."""
         if not model.compiled:
             model.compile(
                 optimizer=keras.optimizers.SGD(0.1, momentum=momentum),
                 loss=testing.sparse_crossentropy(),
                 **(mode or {}),
             )
-        model.fit(x, y, batch_size=8, epochs=epochs, shuffle=False, verbose=0)
+        model.fit(
+            x,
+            y,
+            batch_size=8,
+            epochs=epochs,
+            callbacks=callbacks,
+            shuffle=False,
+            verbose=0,
+        )
         return model
 
     @parameterized.named_parameters(*testing.EXECUTION_MODES)
@@ -725,33 +738,19 @@ class SlotsTest(testing.TestCase):
         ):
             expected = self.fit(testing.mlp(model_class), x, y, epochs=3)
             backup = keras.callbacks.BackupAndRestore(tempfile.mkdtemp())
-            model = testing.mlp(model_class)
             with self.assertRaisesRegex(RuntimeError, "stopped"):
-                model.compile(
-                    optimizer=keras.optimizers.SGD(0.1),
-                    loss=testing.sparse_crossentropy(),
-                )
-                model.fit(
+                self.fit(
+                    testing.mlp(model_class),
                     x,
                     y,
-                    batch_size=8,
                     epochs=3,
-                    shuffle=False,
-                    verbose=0,
                     callbacks=[backup, Stop()],
                 )
-            resumed = testing.mlp(model_class, seed=9)
-            resumed.compile(
-                optimizer=keras.optimizers.SGD(0.1),
-                loss=testing.sparse_crossentropy(),
-            )
-            resumed.fit(
+            resumed = self.fit(
+                testing.mlp(model_class, seed=9),
                 x,
                 y,
-                batch_size=8,
                 epochs=3,
-                shuffle=False,
-                verbose=0,
                 callbacks=[backup],
             )
             difference = testing.max_difference(
@@ -779,6 +778,33 @@ class SlotsTest(testing.TestCase):
         model = testing.mlp(MomentumNet)
         with self.assertRaisesRegex(ValueError, r"variables='kernel'"):
             model.momentum_sums.of("kernel")
+        with self.assertRaisesRegex(ValueError, r"take no key.*key='set'"):
+            model.momentum_sums.of(model.trainable_variables, key="set")
+
+    def test_keys_keep_slots_apart(self):
+        """Slots under another key are other variables, each made once;
+        `items(key)` lists those of its key only."""
+        model = testing.mlp(UnsavedMomentumNet)
+        variables = model.trainable_variables
+        self.assertLen(variables, 4)
+        first = model.momentum_sums.of(variables)
+        keyed = model.momentum_sums.of(variables, key="set")
+        self.assertEqual([s is k for s, k in zip(first, keyed)], [False] * 4)
+        self.assertEqual(
+            [
+                a is b
+                for a, b in zip(
+                    keyed, model.momentum_sums.of(variables, key="set")
+                )
+            ],
+            [True] * 4,
+        )
+        self.assertEqual(
+            [slot for _, slot in model.momentum_sums.items("set")], keyed
+        )
+        self.assertEqual(
+            [slot for _, slot in model.momentum_sums.items()], first
+        )
 
 
 class LossCountsMixin(custom_fit.TrainStepMixin):

@@ -39,7 +39,8 @@ class Slots(_options.State):
     """One state variable per trained variable, made for each model.
 
     Declare it as a class attribute of a mixin. Inside the step,
-    `self.<name>.of(variables)` returns one slot per variable given: zero
+    `self.<name>.of(variables, key=None)` returns one slot per variable
+    given (another `key` gives other slots, `items(key)` lists them): zero
     at first, of the variable's shape and dtype (or `dtype`), laid out as
     it is (sharded with it under `keras.distribution.ModelParallel`), made
     the first time the step asks for that variable and the same one at
@@ -125,6 +126,17 @@ class _MadeInStep:
         return variable
 
 
+def _check_key(name: str, key: Any) -> None:
+    """Raises if `key` cannot key what a declaration makes."""
+    try:
+        hash(key)
+    except TypeError:
+        raise ValueError(
+            f"A key of `{name}` is hashable (a string, a number, a tuple). "
+            f"Received: key={key!r}."
+        ) from None
+
+
 class VariableSlots(_MadeInStep):
     """The slots of one `Slots` declaration in one model.
 
@@ -162,6 +174,7 @@ class VariableSlots(_MadeInStep):
                 f"`{self._name}.of(variables)` takes a list of variables, "
                 f"as the hooks receive them. Received: variables={variables!r}."
             )
+        _check_key(self._name, key)
         if key is not None and self._saved:
             raise ValueError(
                 f"The slots `{self._name}` are saved with the weights, one "
@@ -227,6 +240,8 @@ class Buffers(_options.State):
         self, dtype: str = "float32", *, requires: Sequence[str] = ()
     ) -> None:
         try:
+            if dtype is None:
+                raise ValueError(dtype)
             dtype = keras.backend.standardize_dtype(dtype)
         except (TypeError, ValueError):
             raise ValueError(
@@ -269,15 +284,23 @@ class ShapedBuffers(_MadeInStep):
             ValueError: if `shape` is not a tuple of non-negative ints, or
                 the variable under `key` was made with another shape.
         """
-        try:
-            sizes = tuple(int(size) for size in shape)
-        except (TypeError, ValueError):
-            sizes = (-1,)
-        if any(size < 0 for size in sizes):
+        sizes = (
+            tuple(int(size) for size in shape)
+            if isinstance(shape, (tuple, list))
+            and all(
+                isinstance(size, (int, np.integer))
+                and not isinstance(size, bool)
+                and size >= 0
+                for size in shape
+            )
+            else None
+        )
+        if sizes is None:
             raise ValueError(
                 f"`{self._name}.variable(shape)` takes a tuple of "
                 f"non-negative ints. Received: shape={shape!r}."
             )
+        _check_key(self._name, key)
         made = self._made.get(key)
         if made is None:
             with backend.current().model_scope(self._model):

@@ -31,7 +31,8 @@ def refuse_stateless_step_overrides(cls: type, base: type) -> None:
 
     Args:
         cls: The model class.
-        base: `TrainStepMixin`: overrides in classes derived from it count.
+        base: The base of custom_fit models (`_configuring.Configured`):
+            overrides in classes derived from it count.
 
     Raises:
         ValueError: Naming the override and showing the one-argument form.

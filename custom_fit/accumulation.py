@@ -70,6 +70,21 @@ class GradientAccumulator:
     ) -> None:
         self.steps = steps
         made = []
+        if count is not None and (
+            tuple(getattr(count, "shape", (None,))) != ()
+            or "int" not in str(getattr(count, "dtype", ""))
+        ):
+            raise ValueError(
+                "`count` is an integer scalar variable. Received: "
+                f"count={count!r}."
+            )
+        if sums is not None and (
+            isinstance(sums, (str, bytes)) or not isinstance(sums, Sequence)
+        ):
+            raise ValueError(
+                "`sums` is a list of variables, one per variable. Received: "
+                f"sums={sums!r}."
+            )
         if count is None:
             count = _state.state_variable((), "int32", "count")
             made.append(count)

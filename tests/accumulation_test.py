@@ -209,9 +209,13 @@ class GradientAccumulatorTest(testing.TestCase):
                             testing.to_numpy(total), np.sum(parts, axis=0)
                         )
 
-    def test_given_sums_must_fit_the_variables(self):
+    def test_given_state_must_fit_the_variables(self):
         variables = [keras.Variable(np.zeros((3, 2), "float32"))]
         with self.assertRaisesRegex(ValueError, r"shapes \[\(2,\)\]"):
             custom_fit.accumulation.GradientAccumulator(
                 variables, 2, sums=[keras.Variable(np.zeros(2, "float32"))]
+            )
+        with self.assertRaisesRegex(ValueError, r"count=<"):
+            custom_fit.accumulation.GradientAccumulator(
+                variables, 2, count=keras.Variable(0.0, trainable=False)
             )

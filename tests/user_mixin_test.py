@@ -874,5 +874,13 @@ class BuffersTest(testing.TestCase):
             model.loss_counts.variable("three", key="bad")
         with self.assertRaisesRegex(ValueError, r"shape=\(-1,\)"):
             model.loss_counts.variable((-1,), key="bad")
+        with self.assertRaisesRegex(ValueError, r"shape=\(2\.7,\)"):
+            model.loss_counts.variable((2.7,), key="bad")
+        with self.assertRaisesRegex(ValueError, r"shape=\(True,\)"):
+            model.loss_counts.variable((True,), key="bad")
+        with self.assertRaisesRegex(ValueError, r"key=\['a'\]"):
+            model.loss_counts.variable((1,), key=["a"])
         with self.assertRaisesRegex(ValueError, r"dtype='floaty'"):
             options.Buffers("floaty")
+        with self.assertRaisesRegex(ValueError, r"dtype=None"):
+            options.Buffers(None)

@@ -192,7 +192,11 @@ class VariableSlots(_MadeInStep):
                 dtype = self._dtype or keras.backend.standardize_dtype(
                     variable.dtype
                 )
-                slot = _state.state_like(variable, dtype, self._name)
+                # In the model's scope: a slot made outside the step
+                # (loading a file before the first step) is one per
+                # replica, as the step's own are.
+                with backend.current().model_scope(self._model):
+                    slot = _state.state_like(variable, dtype, self._name)
                 self._made[made] = (variable, self._listed(slot))
             slots.append(self._made[made][1])
         return slots

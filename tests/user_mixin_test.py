@@ -675,12 +675,22 @@ class SlotsTest(testing.TestCase):
 
     def test_two_devices_equal_keras_momentum(self):
         """Under MirroredStrategy (TensorFlow) or DataParallel (JAX), the
-        slots hold global figures: the weights of Keras' momentum."""
+        slots hold global figures: the weights of Keras' momentum; saved
+        after the first epoch and loaded (outside the strategy's scope)
+        into a new two-device model before its first step, they go on to
+        the same second epoch."""
         x, y = testing.classification_data(samples=32)
+        path = os.path.join(tempfile.mkdtemp(), "momentum.weights.h5")
         with testing.two_devices():
-            model = self.fit(testing.mlp(MomentumNet), x, y, epochs=2)
+            model = self.fit(testing.mlp(MomentumNet), x, y)
+            model.save_weights(path)
+            self.fit(model, x, y)
+            loaded = testing.mlp(MomentumNet, seed=9)
+        loaded.load_weights(path)
+        self.fit(loaded, x, y)
         keras_model = self.fit(testing.mlp(), x, y, None, 0.9, epochs=2)
         self.assertWeightsClose(model, keras_model, atol=1e-5)
+        self.assertWeightsClose(loaded, keras_model, atol=1e-5)
 
     def test_saved_slots_are_loaded_as_keras_loads_its_optimizer(self):
         """A `.keras` file and a weights file, saved after one epoch and

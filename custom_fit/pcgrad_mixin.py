@@ -1,10 +1,12 @@
 """`PCGradMixin`: gradient surgery between the losses of a multi-task model."""
 
+import dataclasses
 from collections.abc import Sequence
 
 import keras
 from keras import ops
 
+from custom_fit import _model_state
 from custom_fit import _options
 from custom_fit import _slots
 from custom_fit import _validation
@@ -13,6 +15,21 @@ from custom_fit import pcgrad
 from custom_fit._types import Gradients
 from custom_fit._types import Variable
 from custom_fit.train_step_mixin import TrainStepMixin
+
+# The key of PCGrad's record in a model's state (`record_of`).
+_RECORD = "PCGradMixin"
+
+
+@dataclasses.dataclass
+class _LastOrder:
+    """What PCGrad keeps of a model on the host.
+
+    Attributes:
+        tasks: The task count of the last traced step (the key of its
+            order among the `_last_order` buffers), or `None`.
+    """
+
+    tasks: int | None = None
 
 
 class PCGradMixin(TrainStepMixin):
@@ -72,7 +89,8 @@ class PCGradMixin(TrainStepMixin):
     @property
     def task_order(self) -> list[int]:
         """The order of the tasks at the last step (indices of the losses)."""
-        order = self._last_order.get()
+        record = _model_state.state_of(self).records.get(_RECORD)
+        order = None if record is None else self._last_order.get(record.tasks)
         if order is None:
             return []
         return [int(i) for i in backend.current().host_value(self, order)]
@@ -97,7 +115,10 @@ class PCGradMixin(TrainStepMixin):
             if name != "regularization"
         }
         count = len(tasks)
-        last = self._last_order.variable((count,))
+        # One order per task count: a model compiled again with other
+        # losses keeps its step's own (the last traced one is shown).
+        last = self._last_order.variable((count,), key=count)
+        _model_state.record_of(self, _RECORD, _LastOrder).tasks = count
         order = ops.cast(
             keras.random.shuffle(ops.arange(count), seed=self._order_seeds),
             "int32",

@@ -2,6 +2,7 @@
 implementation of the paper's algorithm (Yu et al. 2020)."""
 
 import itertools
+import warnings
 
 import keras
 import numpy as np
@@ -514,3 +515,34 @@ class InvalidOptionsTest(testing.TestCase):
             self.assertEqual(
                 multi_task_model(PCGradNet, pcgrad_seed=seed).pcgrad_seed, seed
             )
+
+
+class RecompiledTest(testing.TestCase):
+    @parameterized.named_parameters(*testing.EXECUTION_MODES)
+    def test_compiled_again_with_fewer_tasks(self, mode):
+        """A model compiled again with two of its three losses trains on:
+        one step of NumPy PCGrad of three tasks in the order it showed,
+        then one of two tasks (any order), as a hand-run SGD; its
+        `task_order` is then of two tasks."""
+        x, y = multi_task_data()
+        model = compiled(multi_task_model(PCGradNet, pcgrad_seed=3), **mode)
+        fit(model, x, y, batch_size=len(x))
+        first = model.task_order
+        self.assertEqual(sorted(first), [0, 1, 2])
+        model.compile(
+            optimizer=keras.optimizers.SGD(RATE),
+            loss={"a": None, "b": losses()["b"], "c": losses()["c"]},
+            loss_weights={"a": None, "b": WEIGHTS["b"], "c": WEIGHTS["c"]},
+            **mode,
+        )
+        with warnings.catch_warnings():
+            # Head `a` has no loss now: Keras' optimizer warns of its
+            # missing gradients (TensorFlow, PyTorch) and leaves it.
+            warnings.filterwarnings("ignore", "Gradients do not exist")
+            fit(model, x, y, batch_size=len(x))
+        self.assertEqual(sorted(model.task_order), [0, 1])
+        oracle = multi_task_model()
+        for tasks, order in (("abc", first), ("bc", [0, 1])):
+            grads = [task_gradients(oracle, x, y, name) for name in tasks]
+            sgd_step(oracle, numpy_pcgrad(grads, order))
+        self.assertWeightsClose(model, oracle, atol=2e-6)

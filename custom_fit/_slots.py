@@ -14,6 +14,7 @@ model one `ShapedBuffers`, which makes a variable per key, of the shape
 given the first time that key is asked for, listed in the same way.
 """
 
+from collections.abc import Callable
 from collections.abc import Iterator
 from collections.abc import Sequence
 from typing import Any
@@ -120,8 +121,14 @@ class _MadeInStep:
         self._dtype = dtype
         self._made: dict[Any, Any] = {}
 
-    def _listed(self, variable: Any) -> Any:
-        """Lists `variable` in the model's state (a pure step carries it)."""
+    def _new(self, make: Callable[..., Any], *args: Any) -> Any:
+        """Returns `make(*args)`, made in the model's scope and listed.
+
+        The scope makes it one per replica in or outside the step; the
+        model's state lists it, so that a pure step carries it.
+        """
+        with backend.current().model_scope(self._model):
+            variable = make(*args)
         _model_state.state_of(self._model).holder.track(variable)
         return variable
 
@@ -192,12 +199,8 @@ class VariableSlots(_MadeInStep):
                 dtype = self._dtype or keras.backend.standardize_dtype(
                     variable.dtype
                 )
-                # In the model's scope: a slot made outside the step
-                # (loading a file before the first step) is one per
-                # replica, as the step's own are.
-                with backend.current().model_scope(self._model):
-                    slot = _state.state_like(variable, dtype, self._name)
-                self._made[made] = (variable, self._listed(slot))
+                slot = self._new(_state.state_like, variable, dtype, self._name)
+                self._made[made] = (variable, slot)
             slots.append(self._made[made][1])
         return slots
 
@@ -307,12 +310,13 @@ class ShapedBuffers(_MadeInStep):
         _check_key(self._name, key)
         made = self._made.get(key)
         if made is None:
-            with backend.current().model_scope(self._model):
-                made = self._listed(
-                    backend.current().state_variable(
-                        sizes, self._dtype or "float32", self._name, False
-                    )
-                )
+            made = self._new(
+                backend.current().state_variable,
+                sizes,
+                self._dtype or "float32",
+                self._name,
+                False,
+            )
             self._made[key] = made
         elif tuple(made.shape) != sizes:
             raise ValueError(

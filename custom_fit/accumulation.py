@@ -72,7 +72,9 @@ class GradientAccumulator:
         made = []
         if count is not None and (
             tuple(getattr(count, "shape", (None,))) != ()
-            or "int" not in str(getattr(count, "dtype", ""))
+            or not keras.backend.standardize_dtype(count.dtype).startswith(
+                ("int", "uint")
+            )
         ):
             raise ValueError(
                 "`count` is an integer scalar variable. Received: "
